@@ -1,0 +1,52 @@
+"""mirrored: TF's MirroredStrategy model of synchronous data parallelism, for PyTorch.
+
+Example:
+    >>> import torch, mirrored
+    >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    >>> def step_fn():
+    ...     return torch.tensor(mirrored.get_replica_context().replica_id_in_sync_group)
+    >>> strategy.reduce("SUM", strategy.run(step_fn), axis=None)
+    tensor(1)
+"""
+
+from ._src.context import get_cross_replica_context as get_cross_replica_context
+from ._src.context import get_replica_context as get_replica_context
+from ._src.context import get_strategy as get_strategy
+from ._src.context import has_strategy as has_strategy
+from ._src.context import in_cross_replica_context as in_cross_replica_context
+from ._src.errors import CollectiveMismatchError as CollectiveMismatchError
+from ._src.errors import CollectiveTimeoutError as CollectiveTimeoutError
+from ._src.errors import MirroredError as MirroredError
+from ._src.reduce_op import ReduceOp as ReduceOp
+from ._src.replica_context import ReplicaContext as ReplicaContext
+from ._src.strategy import MirroredStrategy as MirroredStrategy
+from ._src.strategy import OneDeviceStrategy as OneDeviceStrategy
+from ._src.strategy import Strategy as Strategy
+from ._src.strategy import StrategyExtended as StrategyExtended
+from ._src.values import DistributedValues as DistributedValues
+from ._src.values import Mirrored as Mirrored
+from ._src.values import PerReplica as PerReplica
+from ._src.values import ValueContext as ValueContext
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "DistributedValues",
+    "MirroredError",
+    "MirroredStrategy",
+    "OneDeviceStrategy",
+    "PerReplica",
+    "Mirrored",
+    "ReduceOp",
+    "ReplicaContext",
+    "Strategy",
+    "StrategyExtended",
+    "ValueContext",
+    "get_cross_replica_context",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+]

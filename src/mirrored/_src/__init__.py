@@ -1,0 +1,1 @@
+"""Private implementation of :mod:`mirrored`; import from the public modules instead."""

@@ -1,0 +1,170 @@
+"""The only ambient state of the library: which strategy is current, and whether
+code runs in replica or cross-replica context.
+
+Each thread has a stack of frames ``(strategy, replica_context)``.
+``strategy.scope()`` pushes ``(strategy, None)`` (cross-replica context); a
+replica running inside ``strategy.run`` pushes ``(strategy, its ReplicaContext)``.
+An empty stack means the default strategy, in its default replica context (as in
+TF, where code outside any strategy is "in replica context" of the default).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from .replica_context import ReplicaContext
+    from .strategy import Strategy
+
+__all__ = [
+    "enter_scope",
+    "get_cross_replica_context",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+    "in_replica",
+]
+
+
+class _Frame(NamedTuple):
+    strategy: Strategy
+    replica_context: ReplicaContext | None
+
+
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[_Frame] = []
+
+
+_state = _State()
+
+
+def _top() -> _Frame | None:
+    stack = _state.stack
+    return stack[-1] if stack else None
+
+
+def _default() -> Strategy:
+    from .strategy import default_strategy
+
+    return default_strategy()
+
+
+@contextmanager
+def enter_scope(strategy: Strategy) -> Iterator[Strategy]:
+    """Makes ``strategy`` current for this thread (what ``strategy.scope()`` does)."""
+    top = _top()
+    if top is not None and top.strategy is not strategy:
+        raise RuntimeError(
+            f"cannot enter the scope of {strategy!r} inside the scope of {top.strategy!r}; "
+            "mixing strategies is not supported: leave the outer scope first"
+        )
+    replica_context = top.replica_context if top is not None else None
+    _state.stack.append(_Frame(strategy, replica_context))
+    try:
+        yield strategy
+    finally:
+        _state.stack.pop()
+
+
+@contextmanager
+def in_replica(strategy: Strategy, replica_context: ReplicaContext) -> Iterator[None]:
+    """Puts this thread in ``replica_context`` of ``strategy`` (used by `run`)."""
+    stack = _state.stack
+    stack.append(_Frame(strategy, replica_context))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def get_strategy() -> Strategy:
+    """Returns the current strategy: the one whose ``scope()`` or ``run`` this code is in,
+    else the default strategy (one replica on the current device).
+
+    Example:
+        >>> import mirrored
+        >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> with strategy.scope():
+        ...     mirrored.get_strategy() is strategy
+        True
+        >>> mirrored.get_strategy().num_replicas_in_sync
+        1
+    """
+    top = _top()
+    return top.strategy if top is not None else _default()
+
+
+def has_strategy() -> bool:
+    """Whether a non-default strategy is current.
+
+    Example:
+        >>> import mirrored
+        >>> mirrored.has_strategy()
+        False
+    """
+    top = _top()
+    return top is not None and top.strategy is not _default()
+
+
+def get_replica_context() -> ReplicaContext | None:
+    """Returns the current replica's `ReplicaContext` inside ``strategy.run``; ``None`` in
+    the cross-replica context of a strategy's scope; the default replica context
+    outside any strategy.
+
+    Example:
+        >>> import mirrored
+        >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> ids = strategy.run(lambda: mirrored.get_replica_context().replica_id_in_sync_group)
+        >>> strategy.experimental_local_results(ids)
+        (0, 1)
+    """
+    top = _top()
+    if top is None:
+        return _default().default_replica_context
+    return top.replica_context
+
+
+def get_cross_replica_context() -> Strategy | None:
+    """Returns the current strategy in cross-replica context, else ``None``.
+
+    Exactly one of `get_replica_context` and `get_cross_replica_context` is ``None``.
+
+    Example:
+        >>> import mirrored
+        >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> with strategy.scope():
+        ...     mirrored.get_cross_replica_context() is strategy
+        True
+    """
+    top = _top()
+    if top is None or top.replica_context is not None:
+        return None
+    return top.strategy
+
+
+def in_cross_replica_context() -> bool:
+    """Whether this code is in cross-replica context (a strategy's scope, outside ``run``).
+
+    Example:
+        >>> import mirrored
+        >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> with strategy.scope():
+        ...     mirrored.in_cross_replica_context()
+        True
+        >>> strategy.run(mirrored.in_cross_replica_context)
+        False
+    """
+    top = _top()
+    return top is not None and top.replica_context is None
+
+
+def current_replica_context() -> ReplicaContext | None:
+    """The `ReplicaContext` of the ``run`` this thread is inside, else ``None``
+    (unlike `get_replica_context`, never the default replica context)."""
+    top = _top()
+    return top.replica_context if top is not None else None

@@ -1,0 +1,22 @@
+"""The library's own exception classes.
+
+Each subclasses :class:`MirroredError` and the builtin that describes the kind of
+failure, so ``except ValueError`` and ``except MirroredError`` both catch them.
+"""
+
+from __future__ import annotations
+
+__all__ = ["CollectiveMismatchError", "CollectiveTimeoutError", "MirroredError"]
+
+
+class MirroredError(Exception):
+    """Base class of every error that :mod:`mirrored` defines itself."""
+
+
+class CollectiveMismatchError(MirroredError, ValueError):
+    """Replicas broke the collective contract: a different call, op, structure,
+    shape or dtype, or one replica returned while others waited in a collective."""
+
+
+class CollectiveTimeoutError(MirroredError, TimeoutError):
+    """Some replicas did not reach a collective within its timeout."""

@@ -1,0 +1,150 @@
+"""Every pytree operation of the library, over `optree`.
+
+Containers (lists, tuples, namedtuples, dicts and dataclasses) are nodes;
+distributed values (`PerReplica`, `Mirrored`) and tensors are leaves. Plain
+dataclasses are registered in the library's own optree namespace the first time
+one is seen, so user code needs no registration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+
+__all__ = [
+    "PyTreeSpec",
+    "first_difference",
+    "flatten",
+    "flatten_with_path",
+    "format_path",
+    "register_leaf_type",
+    "tree_map",
+    "unflatten",
+]
+
+NAMESPACE = "mirrored"
+PyTreeSpec = optree.PyTreeSpec
+
+_leaf_types: tuple[type, ...] = ()
+_registered: set[type] = set()
+_register_lock = threading.Lock()
+# type -> whether its instances are leaves by our rule; filled on first sight.
+_is_leaf_type: dict[type, bool] = {}
+
+
+def register_leaf_type(cls: type) -> None:
+    """Makes instances of ``cls`` (and subclasses) leaves, never nodes."""
+    global _leaf_types
+    _leaf_types = (*_leaf_types, cls)
+    _is_leaf_type.clear()
+
+
+def _register_dataclass(cls: type) -> None:
+    names = tuple(f.name for f in dataclasses.fields(cls) if f.init)
+
+    def flatten_fn(obj: Any) -> tuple[tuple[Any, ...], tuple[str, ...], tuple[str, ...]]:
+        return tuple(getattr(obj, n) for n in names), names, names
+
+    def unflatten_fn(meta: Any, children: Any) -> Any:
+        return cls(**dict(zip(meta, children, strict=True)))
+
+    with _register_lock:
+        if cls not in _registered:
+            optree.register_pytree_node(
+                cls,
+                flatten_fn,
+                unflatten_fn,
+                namespace=NAMESPACE,
+                path_entry_type=optree.GetAttrEntry,
+            )
+            _registered.add(cls)
+
+
+def _is_leaf(x: Any) -> bool:
+    cls = type(x)
+    known = _is_leaf_type.get(cls)
+    if known is not None:
+        return known
+    leaf = issubclass(cls, _leaf_types)
+    if not leaf and cls not in _registered and dataclasses.is_dataclass(cls):
+        _register_dataclass(cls)
+    _is_leaf_type[cls] = leaf
+    return leaf
+
+
+def flatten(tree: Any) -> tuple[list[Any], PyTreeSpec]:
+    """Returns the leaves of ``tree`` in a fixed order and its structure."""
+    return optree.tree_flatten(tree, is_leaf=_is_leaf, namespace=NAMESPACE)
+
+
+def unflatten(spec: PyTreeSpec, leaves: Sequence[Any]) -> Any:
+    """Rebuilds a tree of structure ``spec`` from ``leaves``."""
+    return optree.tree_unflatten(spec, leaves)
+
+
+def flatten_with_path(tree: Any) -> tuple[list[tuple[Any, ...]], list[Any], PyTreeSpec]:
+    """Like `flatten`, with the path (tuple of keys) of each leaf."""
+    return optree.tree_flatten_with_path(tree, is_leaf=_is_leaf, namespace=NAMESPACE)
+
+
+def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
+    """Applies ``fn`` leaf-wise to ``tree`` and trees of the same structure."""
+    return optree.tree_map(fn, tree, *rest, is_leaf=_is_leaf, namespace=NAMESPACE)
+
+
+def format_path(path: Sequence[Any], root: str = "value") -> str:
+    """``('a', 0)`` -> ``"value['a'][0]"``; the root itself is ``"value"``."""
+    return root + "".join(f"[{key!r}]" for key in path)
+
+
+def _node_description(tree: Any) -> str:
+    if _is_leaf(tree) or optree.tree_is_leaf(tree, is_leaf=_is_leaf, namespace=NAMESPACE):
+        return f"a leaf ({type(tree).__name__})"
+    if tree is None:
+        return "None"
+    children = optree.tree_flatten_one_level(tree, is_leaf=_is_leaf, namespace=NAMESPACE)[0]
+    return f"a {type(tree).__name__} of {len(children)}"
+
+
+def first_difference(a: Any, b: Any) -> tuple[str, str, str] | None:
+    """Finds where two trees' structures first differ.
+
+    Returns:
+        ``None`` if the structures match, else ``(path, what a has, what b has)``.
+    """
+
+    def walk(x: Any, y: Any, path: tuple[Any, ...]) -> tuple[str, str, str] | None:
+        x_leaf = optree.tree_is_leaf(x, is_leaf=_is_leaf, namespace=NAMESPACE)
+        y_leaf = optree.tree_is_leaf(y, is_leaf=_is_leaf, namespace=NAMESPACE)
+        if x_leaf and y_leaf:
+            return None
+        here = (format_path(path, "result"), _node_description(x), _node_description(y))
+        if x_leaf != y_leaf or type(x) is not type(y):
+            return here
+        xs = optree.tree_flatten_one_level(x, is_leaf=_is_leaf, namespace=NAMESPACE)
+        ys = optree.tree_flatten_one_level(y, is_leaf=_is_leaf, namespace=NAMESPACE)
+        x_children, x_meta, x_entries = xs[0], xs[1], xs[2]
+        y_children, y_meta, y_entries = ys[0], ys[1], ys[2]
+        if tuple(x_entries) != tuple(y_entries) or len(x_children) != len(y_children):
+            missing = [e for e in x_entries if e not in y_entries]
+            extra = [e for e in y_entries if e not in x_entries]
+            if missing or extra:
+                key = (missing or extra)[0]
+                where = format_path((*path, key), "result")
+                has_x = "present" if key in x_entries else "missing"
+                has_y = "present" if key in y_entries else "missing"
+                return (where, has_x, has_y)
+            return here
+        if x_meta != y_meta:
+            return here
+        for entry, cx, cy in zip(x_entries, x_children, y_children, strict=True):
+            found = walk(cx, cy, (*path, entry))
+            if found is not None:
+                return found
+        return None
+
+    return walk(a, b, ())

@@ -1,0 +1,179 @@
+"""Distributed values: `PerReplica` and `Mirrored`, and moving between them and nests.
+
+A distributed value holds one component per local replica, in replica order,
+with the canonical name of each component's device. It is a pytree *leaf*: a
+list, dict, tuple, namedtuple or dataclass of them is a nest that every strategy
+method walks leaf by leaf. There is no attribute forwarding: reach a component
+through ``.values`` or ``strategy.experimental_local_results``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Generic, TypeVar, final
+
+import torch
+
+from . import pytree
+from .devices import canonical_name_of, parse_device
+
+__all__ = [
+    "DistributedValues",
+    "Mirrored",
+    "PerReplica",
+    "ValueContext",
+    "regroup",
+    "select_replica",
+]
+
+T = TypeVar("T")
+
+_HOST = torch.device("cpu")
+
+
+def _device_name(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return canonical_name_of(value.device)
+    return canonical_name_of(_HOST)
+
+
+class DistributedValues(Generic[T]):
+    """Base class of values with one component per local replica.
+
+    Args:
+        values: one component per replica, in replica order.
+        devices: the device of each component (any spelling `parse_device`
+            accepts); by default each tensor's own device.
+
+    Raises:
+        ValueError: no components, or ``devices`` of the wrong length.
+    """
+
+    __slots__ = ("_devices", "_values")
+
+    def __init__(self, values: Sequence[T], devices: Sequence[str] | None = None) -> None:
+        if type(self) is DistributedValues:
+            raise TypeError("DistributedValues is abstract; construct PerReplica or Mirrored")
+        if isinstance(values, str | bytes) or not isinstance(values, Sequence):
+            raise TypeError(
+                f"{type(self).__name__} takes a sequence with one value per replica; "
+                f"got {type(values).__name__}"
+            )
+        values = tuple(values)
+        if not values:
+            raise ValueError(f"{type(self).__name__} needs at least one component; got none")
+        if devices is None:
+            names = tuple(_device_name(v) for v in values)
+        else:
+            names = tuple(parse_device(d).name for d in devices)
+            if len(names) != len(values):
+                raise ValueError(
+                    f"{type(self).__name__} got {len(values)} values but {len(names)} devices"
+                )
+        self._values: tuple[T, ...] = values
+        self._devices: tuple[str, ...] = names
+
+    @property
+    def values(self) -> tuple[T, ...]:
+        """The components, one per local replica, in replica order."""
+        return self._values
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """The canonical device name of each component."""
+        return self._devices
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{i}: {v!r}" for i, v in enumerate(self._values))
+        return f"{type(self).__name__}:{{{body}}}"
+
+
+@final
+class PerReplica(DistributedValues[T]):
+    """One value per local replica; what `run` returns where replicas differ.
+
+    Example:
+        >>> import torch
+        >>> from mirrored import PerReplica
+        >>> v = PerReplica([torch.tensor(0), torch.tensor(1)], devices=["CPU:0", "CPU:1"])
+        >>> v
+        PerReplica:{0: tensor(0), 1: tensor(1)}
+        >>> v.devices[1]
+        '/job:localhost/replica:0/task:0/device:CPU:1'
+    """
+
+    __slots__ = ()
+
+
+@final
+class Mirrored(DistributedValues[T]):
+    """One value per local replica, known to be equal on every replica.
+
+    Example:
+        >>> import torch
+        >>> from mirrored import Mirrored
+        >>> Mirrored([torch.tensor(2.0), torch.tensor(2.0)], devices=["CPU:0", "CPU:1"])
+        Mirrored:{0: tensor(2.), 1: tensor(2.)}
+    """
+
+    __slots__ = ()
+
+
+pytree.register_leaf_type(DistributedValues)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ValueContext:
+    """What `experimental_distribute_values_from_function` tells ``value_fn``.
+
+    Example:
+        >>> from mirrored import ValueContext
+        >>> ValueContext(replica_id_in_sync_group=1, num_replicas_in_sync=2)
+        ValueContext(replica_id_in_sync_group=1, num_replicas_in_sync=2)
+    """
+
+    replica_id_in_sync_group: int = 0
+    num_replicas_in_sync: int = 1
+
+
+def select_replica(index: int, leaves: Sequence[Any]) -> list[Any]:
+    """Component ``index`` of each distributed leaf; other leaves pass through."""
+    return [
+        leaf.values[index] if isinstance(leaf, DistributedValues) else leaf for leaf in leaves
+    ]
+
+
+def regroup(results: Sequence[Any], devices: Sequence[str], *,
+            collapse_identical: bool = True) -> Any:
+    """Packs what each replica returned into one nest of `PerReplica` leaves.
+
+    Leaves that every replica returned as the same object (``is``) stay as they
+    are, unless ``collapse_identical`` is false. With one replica the result is
+    returned unchanged.
+
+    Raises:
+        ValueError: the replicas returned different structures.
+    """
+    if len(results) == 1:
+        return results[0]
+    flat = [pytree.flatten(r) for r in results]
+    leaves0, spec0 = flat[0]
+    for i in range(1, len(flat)):
+        if flat[i][1] != spec0:
+            diff = pytree.first_difference(results[0], results[i])
+            where, got0, got_i = diff if diff is not None else ("the result", str(spec0),
+                                                                str(flat[i][1]))
+            raise ValueError(
+                f"replicas returned different structures: at {where}, replica 0 returned "
+                f"{got0} but replica {i} returned {got_i}; every replica must return the "
+                "same nest"
+            )
+    grouped = []
+    for j, first in enumerate(leaves0):
+        components = [f[0][j] for f in flat]
+        if collapse_identical and all(c is first for c in components):
+            grouped.append(first)
+        else:
+            grouped.append(PerReplica(components, devices))
+    return pytree.unflatten(spec0, grouped)

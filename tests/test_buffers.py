@@ -1,0 +1,65 @@
+"""The result buffer pool never hands out a buffer that anything still references."""
+
+import gc
+
+import numpy as np
+import torch
+
+import mirrored
+from mirrored._src.buffers import BufferPool
+
+SHAPE = (1 << 19,)  # 2 MiB of float32: above the pooling threshold
+CPU = torch.device("cpu")
+
+
+def test_reuses_a_dropped_buffer():
+    pool = BufferPool()
+    first = pool.empty(SHAPE, torch.float32, CPU)
+    address = first.data_ptr()
+    del first
+    gc.collect()
+    assert pool.empty(SHAPE, torch.float32, CPU).data_ptr() == address
+
+
+def test_never_reuses_a_held_tensor_view_storage_or_array():
+    pool = BufferPool(max_per_key=8)
+    held = pool.empty(SHAPE, torch.float32, CPU)
+    view_base = pool.empty(SHAPE, torch.float32, CPU)
+    view = view_base[10:20]
+    del view_base
+    array_base = pool.empty(SHAPE, torch.float32, CPU)
+    array = array_base.numpy()
+    del array_base
+    storage_base = pool.empty(SHAPE, torch.float32, CPU)
+    storage = storage_base.untyped_storage()
+    del storage_base
+    saved_base = pool.empty(SHAPE, torch.float32, CPU)
+    saved_address = saved_base.data_ptr()
+    w = torch.ones(SHAPE, requires_grad=True)
+    product = w * saved_base  # autograd saves saved_base for w's gradient
+    del saved_base
+    taken = [held.data_ptr(), view.data_ptr() - 40, array.ctypes.data, storage.data_ptr(),
+             saved_address]
+    assert len(set(taken)) == 5
+    fresh = pool.empty(SHAPE, torch.float32, CPU)
+    assert fresh.data_ptr() not in taken
+    assert product.grad_fn is not None
+
+
+def test_small_tensors_are_not_pooled():
+    pool = BufferPool()
+    a = pool.empty((4,), torch.float32, CPU)
+    assert pool.empty((4,), torch.float32, CPU) is not a
+
+
+def test_reduce_results_are_not_overwritten_while_held():
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    parts = [torch.full(SHAPE, 1.0), torch.full(SHAPE, 2.0)]
+    first = strategy.reduce("SUM", mirrored.PerReplica(parts))
+    keep_view = strategy.reduce("SUM", mirrored.PerReplica(parts))[:5]
+    keep_array = np.asarray(strategy.reduce("SUM", mirrored.PerReplica(parts)))
+    for _ in range(4):
+        strategy.reduce("SUM", mirrored.PerReplica([torch.zeros(SHAPE), torch.zeros(SHAPE)]))
+    assert bool((first == 3.0).all())
+    assert keep_view.tolist() == [3.0] * 5
+    assert bool((keep_array == 3.0).all())

@@ -1,0 +1,42 @@
+"""Snapshot of the public surface: a change here is a deliberate API change."""
+
+import mirrored
+
+EXPECTED = {
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "DistributedValues",
+    "Mirrored",
+    "MirroredError",
+    "MirroredStrategy",
+    "OneDeviceStrategy",
+    "PerReplica",
+    "ReduceOp",
+    "ReplicaContext",
+    "Strategy",
+    "StrategyExtended",
+    "ValueContext",
+    "get_cross_replica_context",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+}
+
+
+def test_public_names_snapshot():
+    assert set(mirrored.__all__) == EXPECTED
+    for name in mirrored.__all__:
+        assert getattr(mirrored, name).__module__.startswith("mirrored")
+
+
+def test_public_modules_only_reexport():
+    public = {n for n in vars(mirrored) if not n.startswith("_")}
+    assert public - set(mirrored.__all__) == set()
+
+
+def test_error_hierarchy():
+    assert issubclass(mirrored.CollectiveMismatchError, mirrored.MirroredError)
+    assert issubclass(mirrored.CollectiveMismatchError, ValueError)
+    assert issubclass(mirrored.CollectiveTimeoutError, mirrored.MirroredError)
+    assert issubclass(mirrored.CollectiveTimeoutError, TimeoutError)

@@ -1,0 +1,151 @@
+"""strategy.run: per-replica arguments, concurrency, exceptions, grad mode."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+import mirrored
+from conftest import cpu_strategy
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_args_select_components_and_pass_plain_values(two):
+    x = mirrored.PerReplica([torch.tensor(1.0), torch.tensor(3.0)])
+    m = mirrored.Mirrored([torch.tensor(10.0), torch.tensor(10.0)])
+    out = two.run(lambda a, b, *, c: a * b + c, args=[x, m], kwargs={"c": 2.0})
+    assert [t.item() for t in out.values] == [12.0, 32.0]
+    assert out.devices == two.extended.worker_devices
+
+
+def test_args_must_be_tuple_or_list(two):
+    with pytest.raises(ValueError, match=r"takes a tuple or list of positional arguments; got "
+                                         r"Tensor. Write args=\(x,\)"):
+        two.run(lambda x: x, args=torch.tensor(1.0))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"kwargs=\.\.\.\) takes a dict; got list"):
+        two.run(lambda: 1, kwargs=[1])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_replicas_run_concurrently(n):
+    # Every replica waits at a barrier that only opens when all N are inside fn at
+    # the same time: one-at-a-time execution would time out.
+    strategy = cpu_strategy(n)
+    barrier = threading.Barrier(n, timeout=10)
+    threads = strategy.run(lambda: (barrier.wait(), threading.get_ident())[1])
+    assert len(set(strategy.experimental_local_results(threads))) == n
+
+
+def test_threads_are_persistent(two):
+    def slow_ident():
+        time.sleep(0.05)
+        return threading.get_ident()
+
+    first = set(two.experimental_local_results(two.run(slow_ident)))
+    second = set(two.experimental_local_results(two.run(slow_ident)))
+    assert first == second
+    assert threading.get_ident() in first  # replica 0 runs on the calling thread
+
+
+def test_exception_carries_type_and_replica_id_and_strategy_stays_usable(two):
+    class StepError(Exception):
+        pass
+
+    def step():
+        if mirrored.get_replica_context().replica_id_in_sync_group == 1:
+            raise StepError("bad batch")
+        return torch.tensor(0)
+
+    with pytest.raises(StepError, match="bad batch") as info:
+        two.run(step)
+    assert info.value.__notes__ == ["raised in replica 1 (CPU:1) of MirroredStrategy.run"]
+    again = two.run(lambda: torch.tensor(mirrored.get_replica_context().replica_id_in_sync_group))
+    assert two.reduce("SUM", again).item() == 1
+
+
+def test_exception_while_other_replica_works(two):
+    def step():
+        if mirrored.get_replica_context().replica_id_in_sync_group == 0:
+            raise KeyError("k")
+        time.sleep(0.1)
+        return 1
+
+    with pytest.raises(KeyError):
+        two.run(step)
+    assert two.run(lambda: 5) == 5
+
+
+def test_grad_mode_follows_the_caller(two):
+    with torch.no_grad():
+        modes = two.experimental_local_results(two.run(torch.is_grad_enabled))
+    assert modes == (False,)  # the same object from both replicas collapses
+    with torch.enable_grad():
+        assert two.run(torch.is_grad_enabled) is True
+
+
+def test_autograd_inside_replicas(two):
+    x = mirrored.PerReplica([torch.tensor(2.0, requires_grad=True),
+                             torch.tensor(3.0, requires_grad=True)])
+
+    def step(v):
+        (v**2).backward()
+        return v.grad
+
+    grads = two.run(step, args=(x,))
+    assert [g.item() for g in grads.values] == [4.0, 6.0]
+
+
+def test_single_replica_run_calls_fn_directly():
+    one = mirrored.MirroredStrategy(["CPU:0"])
+    ident = one.run(threading.get_ident)
+    assert ident == threading.get_ident()
+    assert one.run(lambda: mirrored.get_replica_context().replica_id_in_sync_group) == 0
+
+
+def test_one_device_strategy():
+    one = mirrored.OneDeviceStrategy("cpu")
+    assert one.num_replicas_in_sync == 1
+    assert one.extended.worker_devices == ("/job:localhost/replica:0/task:0/device:CPU:0",)
+    assert one.run(lambda x: x + 1, args=(torch.tensor(1),)).item() == 2
+    assert one.reduce("SUM", torch.tensor(3.0)).item() == 3.0
+
+
+def test_results_are_replica_ordered_whatever_the_timing():
+    strategy = cpu_strategy(4)
+
+    def step():
+        i = mirrored.get_replica_context().replica_id_in_sync_group
+        time.sleep(0.01 * (3 - i))
+        return torch.tensor(i)
+
+    for _ in range(3):
+        out = strategy.run(step)
+        assert [t.item() for t in out.values] == [0, 1, 2, 3]
+
+
+def test_closed_strategy_refuses_run():
+    strategy = cpu_strategy(2)
+    strategy.close()
+    with pytest.raises(RuntimeError, match="replica threads were closed"):
+        strategy.run(lambda: 1)
+
+
+def test_concurrent_runs_from_two_threads_are_serialized(two):
+    errors = []
+
+    def worker():
+        try:
+            for _ in range(50):
+                out = two.run(lambda: mirrored.get_replica_context().replica_id_in_sync_group)
+                assert out.values == (0, 1)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert errors == []

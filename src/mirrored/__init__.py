@@ -14,9 +14,13 @@ from ._src.context import get_replica_context as get_replica_context
 from ._src.context import get_strategy as get_strategy
 from ._src.context import has_strategy as has_strategy
 from ._src.context import in_cross_replica_context as in_cross_replica_context
+from . import experimental as experimental
+from ._src.cross_device_ops import CrossDeviceOps as CrossDeviceOps
+from ._src.cross_device_ops import ReductionToOneDevice as ReductionToOneDevice
 from ._src.errors import CollectiveMismatchError as CollectiveMismatchError
 from ._src.errors import CollectiveTimeoutError as CollectiveTimeoutError
 from ._src.errors import MirroredError as MirroredError
+from ._src.loss import compute_average_loss as compute_average_loss
 from ._src.reduce_op import ReduceOp as ReduceOp
 from ._src.replica_context import ReplicaContext as ReplicaContext
 from ._src.strategy import MirroredStrategy as MirroredStrategy
@@ -33,6 +37,10 @@ __version__ = "0.1.0"
 __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
+    "CrossDeviceOps",
+    "ReductionToOneDevice",
+    "compute_average_loss",
+    "experimental",
     "DistributedValues",
     "MirroredError",
     "MirroredStrategy",

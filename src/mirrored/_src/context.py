@@ -82,6 +82,17 @@ def in_replica(strategy: Strategy, replica_context: ReplicaContext) -> Iterator[
         stack.pop()
 
 
+@contextmanager
+def in_cross_replica(strategy: Strategy) -> Iterator[None]:
+    """Puts this thread in cross-replica context of ``strategy`` (used by merge_call)."""
+    stack = _state.stack
+    stack.append(_Frame(strategy, None))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
 def get_strategy() -> Strategy:
     """Returns the current strategy: the one whose ``scope()`` or ``run`` this code is in,
     else the default strategy (one replica on the current device).

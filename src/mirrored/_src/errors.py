@@ -6,7 +6,12 @@ failure, so ``except ValueError`` and ``except MirroredError`` both catch them.
 
 from __future__ import annotations
 
-__all__ = ["CollectiveMismatchError", "CollectiveTimeoutError", "MirroredError"]
+__all__ = [
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "MirroredError",
+    "ReplicaAbortedError",
+]
 
 
 class MirroredError(Exception):
@@ -20,3 +25,10 @@ class CollectiveMismatchError(MirroredError, ValueError):
 
 class CollectiveTimeoutError(MirroredError, TimeoutError):
     """Some replicas did not reach a collective within its timeout."""
+
+
+class ReplicaAbortedError(MirroredError, RuntimeError):
+    """A replica was released from a collective because another replica failed.
+
+    ``strategy.run`` raises the other replica's exception, not this one.
+    """

@@ -24,6 +24,8 @@ from .buffers import default_pool
 from .reduce_op import ReduceOp
 
 __all__ = [
+    "combine",
+    "copy_to",
     "describe",
     "gather_components",
     "mean_dtype",
@@ -137,9 +139,10 @@ def _sum_into(out: torch.Tensor, parts: Sequence[torch.Tensor], divisor: int | N
         out.div_(divisor)
 
 
-def _combine(op: ReduceOp, parts: Sequence[torch.Tensor], device: torch.device,
+def combine(op: ReduceOp, parts: Sequence[torch.Tensor], device: torch.device,
              divisor: int | None = None) -> torch.Tensor:
-    """Element-wise combination of equally shaped parts into a new tensor on ``device``."""
+    """Element-wise combination of equally shaped parts, in order, into a new tensor on
+    ``device`` (SUM/MEAN add, with ``divisor`` dividing the sum; MIN/MAX)."""
     parts = [p if p.device == device else p.to(device) for p in parts]
     first = parts[0]
     out = default_pool().empty(tuple(first.shape), first.dtype, device)
@@ -153,6 +156,12 @@ def _combine(op: ReduceOp, parts: Sequence[torch.Tensor], device: torch.device,
         for p in parts[2:]:
             fn(out, p, out=out)
     return out
+
+
+def copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A new copy of ``tensor`` on ``device`` (large host copies reuse pooled buffers)."""
+    out = default_pool().empty(tuple(tensor.shape), tensor.dtype, device)
+    return out.copy_(tensor)
 
 
 def reduce_components(op: ReduceOp, components: Sequence[torch.Tensor],
@@ -191,10 +200,10 @@ def reduce_components(op: ReduceOp, components: Sequence[torch.Tensor],
                 "batches, reduce over the batch too with axis=0"
             )
         if op is not ReduceOp.MEAN:
-            return _combine(op, components, device)
+            return combine(op, components, device)
         if promote == dtype:
-            return _combine(ReduceOp.SUM, components, device, divisor=len(components))
-        return _combine(ReduceOp.SUM, components, device).to(promote).div_(len(components))
+            return combine(ReduceOp.SUM, components, device, divisor=len(components))
+        return combine(ReduceOp.SUM, components, device).to(promote).div_(len(components))
 
     dims = _normalize_dims(name, axis, components, labels, where)
     kept = [tuple(s for d, s in enumerate(c.shape) if d not in dims) for c in components]
@@ -207,7 +216,7 @@ def reduce_components(op: ReduceOp, components: Sequence[torch.Tensor],
 
     if op is ReduceOp.SUM or op is ReduceOp.MEAN:
         partials = [c.sum(dim=dims, dtype=dtype) if dims else c for c in components]
-        total = _combine(ReduceOp.SUM, partials, device)
+        total = combine(ReduceOp.SUM, partials, device)
         if op is ReduceOp.SUM:
             return total
         return total.to(promote).div_(sum(counts))
@@ -220,7 +229,7 @@ def reduce_components(op: ReduceOp, components: Sequence[torch.Tensor],
             f"{name} has no elements to reduce at {where}: every component is empty along "
             f"axis {axis_text} ({_listing(components, labels)})"
         )
-    return _combine(op, partials, device)
+    return combine(op, partials, device)
 
 
 def gather_components(components: Sequence[torch.Tensor], axis: int, device: torch.device,

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from . import collectives, context
+from .options import CommunicationOptions
+from .reduce_op import ReduceOp
 
 if TYPE_CHECKING:
     from .strategy import Strategy
@@ -53,3 +58,98 @@ class ReplicaContext:
     def __repr__(self) -> str:
         return (f"ReplicaContext(replica_id_in_sync_group={self._replica_id}, "
                 f"num_replicas_in_sync={self.num_replicas_in_sync})")
+
+    def _check_current(self, method: str) -> None:
+        if self._strategy.num_replicas_in_sync > 1 and context.current_replica_context() is not self:
+            raise RuntimeError(
+                f"ReplicaContext.{method} of replica {self._replica_id} must be called by that "
+                "replica, inside strategy.run; it was called from "
+                + ("cross-replica context (e.g. a merge_fn)"
+                   if context.current_replica_context() is None else "another replica")
+            )
+
+    def all_reduce(self, reduce_op: ReduceOp | str, value: Any,
+                   options: CommunicationOptions | None = None, axis: Any = None) -> Any:
+        """Combines ``value`` (a nest of tensors) across replicas; every replica gets its
+        own copy of the result.
+
+        ``axis=None`` combines element-wise (MEAN divides by the number of replicas).
+        With ``axis``, each replica first reduces over it and MEAN is the global sum
+        over the global number of elements, exact for uneven per-replica batches.
+        Many leaves are packed per dtype into few transfers. Differentiable: the
+        gradient is the all-reduce of the upstream gradients (for MIN/MAX, routed to
+        the elements that attain the extreme).
+
+        Args:
+            reduce_op: a `ReduceOp` or its name, any case.
+            value: a tensor, number, or nest of them.
+            options: `CommunicationOptions` overriding the strategy's for this call.
+            axis: ``None``, an int or a tuple of ints.
+
+        Raises:
+            CollectiveMismatchError: replicas made different calls, or one returned
+                from its function while others wait.
+            CollectiveTimeoutError: a replica did not arrive within the timeout.
+            ValueError, TypeError: bad op, axis, or values.
+
+        Example:
+            >>> import torch, mirrored
+            >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> def step():
+            ...     ctx = mirrored.get_replica_context()
+            ...     x = torch.arange(4.0) if ctx.replica_id_in_sync_group == 0 else torch.tensor([4.0, 5])
+            ...     return ctx.all_reduce("MEAN", x, axis=0)
+            >>> strategy.experimental_local_results(strategy.run(step))
+            (tensor(2.5000), tensor(2.5000))
+        """
+        self._check_current("all_reduce")
+        return collectives.all_reduce(self._strategy, self._replica_id, reduce_op, value,
+                                      options, axis, collectives.call_site(1))
+
+    def all_gather(self, value: Any, axis: int,
+                   options: CommunicationOptions | None = None) -> Any:
+        """Concatenates every replica's ``value`` along ``axis`` in replica order; every
+        replica gets its own copy. Replicas may differ in size along ``axis`` only.
+        Differentiable: each replica's gradient is its own rows of the summed
+        upstream gradients.
+
+        Raises:
+            CollectiveMismatchError: replicas made different calls (other dims, dtypes).
+            CollectiveTimeoutError: a replica did not arrive within the timeout.
+
+        Example:
+            >>> import torch, mirrored
+            >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> def step():
+            ...     ctx = mirrored.get_replica_context()
+            ...     return ctx.all_gather(torch.ones(ctx.replica_id_in_sync_group + 1), axis=0)
+            >>> strategy.experimental_local_results(strategy.run(step))[0]
+            tensor([1., 1., 1.])
+        """
+        self._check_current("all_gather")
+        return collectives.all_gather(self._strategy, self._replica_id, value, axis, options,
+                                      collectives.call_site(1))
+
+    def merge_call(self, merge_fn: Callable[..., Any], args: Sequence[Any] = (),
+                   kwargs: dict[str, Any] | None = None) -> Any:
+        """Pauses every replica and runs ``merge_fn(strategy, *args, **kwargs)`` once, in
+        cross-replica context, with each argument regrouped across replicas into
+        `PerReplica` values (identical objects stay as they are). Replica ``i``
+        receives component ``i`` of each distributed value in the result.
+
+        The ``merge_fn`` of replica 0 runs, on the thread of the last replica to
+        arrive. An exception in it is raised from ``run``.
+
+        Example:
+            >>> import torch, mirrored
+            >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> def step():
+            ...     ctx = mirrored.get_replica_context()
+            ...     x = torch.tensor(float(ctx.replica_id_in_sync_group + 1))
+            ...     return ctx.merge_call(lambda s, v: s.reduce("SUM", v), args=(x,))
+            >>> strategy.run(step)
+            tensor(3.)
+        """
+        self._check_current("merge_call")
+        return collectives.merge_call(self._strategy, self._replica_id, merge_fn, args, kwargs,
+                                      collectives.call_site(1))

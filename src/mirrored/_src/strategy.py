@@ -18,10 +18,14 @@ from typing import Any, final
 import torch
 
 from . import context, pytree
+from .cross_device_ops import CrossDeviceOps, NcclAllReduce, ReductionToOneDevice
 from .devices import Device, current_device, parse_device, parse_devices
+from .errors import ReplicaAbortedError
 from .executor import Executor, ReplicaFailure
+from .options import CommunicationImplementation, CommunicationOptions
 from .reduce_op import ReduceOp
 from .reduction import gather_components, normalize_axis, reduce_components
+from .rendezvous import Rendezvous
 from .replica_context import ReplicaContext
 from .values import DistributedValues, Mirrored, PerReplica, ValueContext, regroup, select_replica
 
@@ -70,23 +74,118 @@ class StrategyExtended:
         """Where mirrored parameters live: every replica device."""
         return self._strategy._device_names
 
+    def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any,
+                  options: CommunicationOptions | None = None) -> Any:
+        """Reduces ``value`` across replicas to ``destinations`` (cross-replica context).
+
+        ``destinations`` is a device string (``"CPU:1"``, ``"cuda:0"``), a tensor (its
+        device) or a distributed value (its components' devices);
+        ``reduce_to(op, v, destinations=v)`` is the all-reduce of ``v``.
+
+        Returns:
+            A tensor on the destination for one device; a `Mirrored` with one
+            component per destination device for several.
+
+        Raises:
+            ValueError: SUM of a value that is not per-replica (a `Mirrored` included),
+                an empty or list ``destinations``, a wrong number of components.
+            TypeError: ``destinations`` of another type.
+            RuntimeError: called in replica context.
+
+        Example:
+            >>> import torch, mirrored
+            >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> v = mirrored.PerReplica([torch.tensor(1.0), torch.tensor(2.0)],
+            ...                         devices=["CPU:0", "CPU:1"])
+            >>> strategy.extended.reduce_to("SUM", v, destinations="CPU:1")
+            tensor(3.)
+            >>> strategy.extended.reduce_to("SUM", v, destinations=v)
+            Mirrored:{0: tensor(3.), 1: tensor(3.)}
+        """
+        return self.batch_reduce_to(reduce_op, [(value, destinations)], options)[0]
+
+    def batch_reduce_to(self, reduce_op: ReduceOp | str,
+                        value_destination_pairs: Sequence[tuple[Any, Any]],
+                        options: CommunicationOptions | None = None) -> list[Any]:
+        """`reduce_to` of several ``(value, destinations)`` pairs, packing values of one
+        dtype and destinations into buffers of at most ``bytes_per_pack`` bytes.
+
+        Returns:
+            A list with one result per pair.
+
+        Example:
+            >>> import torch, mirrored
+            >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> a = mirrored.PerReplica([torch.tensor(1.0), torch.tensor(2.0)])
+            >>> b = mirrored.PerReplica([torch.tensor([3]), torch.tensor([5])])
+            >>> strategy.extended.batch_reduce_to("MEAN", [(a, "CPU:0"), (b, "CPU:0")])
+            [tensor(1.5000), tensor([4.], dtype=torch.float64)]
+        """
+        strategy = self._strategy
+        strategy._require_cross_replica("extended.batch_reduce_to")
+        if not isinstance(value_destination_pairs, tuple | list):
+            raise TypeError("value_destination_pairs must be a list of (value, destinations) "
+                            f"pairs; got {type(value_destination_pairs).__name__}")
+        for index, pair in enumerate(value_destination_pairs):
+            if isinstance(pair, tuple | list) and len(pair) == 2 and isinstance(
+                    pair[0], DistributedValues):
+                strategy._check_components(pair[0], f"value_destination_pairs[{index}]")
+        merged = strategy._communication_options.merge(options)
+        return strategy._cross_device_ops_for(merged).batch_reduce(
+            reduce_op, value_destination_pairs, merged)
+
+    def broadcast_to(self, tensor: Any, destinations: Any) -> Any:
+        """Copies ``tensor`` to each destination device (cross-replica context).
+
+        Returns:
+            A tensor for one destination device, a `Mirrored` for several.
+
+        Example:
+            >>> import torch, mirrored
+            >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> like = mirrored.PerReplica([torch.tensor(0), torch.tensor(0)],
+            ...                            devices=["CPU:0", "CPU:1"])
+            >>> strategy.extended.broadcast_to(torch.tensor(7), like)
+            Mirrored:{0: tensor(7), 1: tensor(7)}
+        """
+        self._strategy._require_cross_replica("extended.broadcast_to")
+        return self._strategy._cross_device_ops.broadcast(tensor, destinations)
+
 
 class Strategy:
     """What every strategy does; construct `MirroredStrategy` or `OneDeviceStrategy`.
 
     Args:
         devices: the local replica devices, in replica order.
+        cross_device_ops: how components are combined across devices; default:
+            chosen from ``communication_options.implementation``.
+        communication_options: defaults for every collective of this strategy.
     """
 
-    def __init__(self, devices: Sequence[Device]) -> None:
+    def __init__(self, devices: Sequence[Device], cross_device_ops: CrossDeviceOps | None = None,
+                 communication_options: CommunicationOptions | None = None) -> None:
         if type(self) is Strategy:
             raise TypeError("Strategy is abstract; use MirroredStrategy or OneDeviceStrategy")
+        if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
+            raise TypeError("cross_device_ops must be a mirrored.CrossDeviceOps such as "
+                            f"ReductionToOneDevice(); got {type(cross_device_ops).__name__}")
+        if communication_options is None:
+            communication_options = CommunicationOptions()
+        elif not isinstance(communication_options, CommunicationOptions):
+            raise TypeError("communication_options must be a "
+                            "mirrored.experimental.CommunicationOptions; got "
+                            f"{type(communication_options).__name__}")
         self._devices = tuple(devices)
         self._device_names = tuple(d.name for d in self._devices)
         self._labels = tuple(f"replica {i} ({d.short_name})" for i, d in enumerate(self._devices))
         self._replica_contexts = tuple(
             ReplicaContext(self, i, d.name) for i, d in enumerate(self._devices))
         self._extended = StrategyExtended(self)
+        self._communication_options = communication_options
+        self._reference_ops = ReductionToOneDevice()
+        self._cross_device_ops = cross_device_ops or self._cross_device_ops_for(
+            communication_options, default=True)
+        self._rendezvous = Rendezvous(self._labels)
         self._executor = Executor(len(self._devices), name=type(self).__name__)
         weakref.finalize(self, self._executor.close)
 
@@ -126,6 +225,25 @@ class Strategy:
     def __repr__(self) -> str:
         names = ", ".join(repr(d.short_name) for d in self._devices)
         return f"{type(self).__name__}(devices=[{names}])"
+
+    def _cross_device_ops_for(self, options: CommunicationOptions, default: bool = False
+                              ) -> CrossDeviceOps:
+        """The `CrossDeviceOps` that ``options.implementation`` asks for."""
+        implementation = options.implementation
+        all_gpus = (len(self._devices) > 1 and all(d.kind == "GPU" for d in self._devices))
+        if implementation is CommunicationImplementation.NCCL:
+            if not all_gpus:
+                raise ValueError(
+                    "implementation NCCL needs every replica on its own CUDA device; this "
+                    "strategy's replicas are on "
+                    f"{', '.join(d.short_name for d in self._devices)}. Use AUTO or RING"
+                )
+            return NcclAllReduce()
+        if implementation is CommunicationImplementation.RING:
+            return self._reference_ops
+        if default:
+            return NcclAllReduce() if all_gpus else self._reference_ops
+        return self._cross_device_ops
 
     # ------------------------------------------------------------ checks
     def _require_cross_replica(self, method: str) -> None:
@@ -235,13 +353,20 @@ class Strategy:
 
         if len(self._devices) == 1:
             return call(0)
-        results, failures = self._executor.run(call)
+        rendezvous = self._rendezvous
+        rendezvous.start()
+        try:
+            results, failures = self._executor.run(call, rendezvous.replica_exited)
+        finally:
+            rendezvous.finish()
         if failures:
             raise self._failure_error(failures)
         return regroup(results, self._device_names)
 
     def _failure_error(self, failures: Sequence[ReplicaFailure]) -> BaseException:
-        failure = failures[0]
+        # The root cause, not a replica released because of it; ties by replica id.
+        causes = [f for f in failures if not isinstance(f.error, ReplicaAbortedError)]
+        failure = min(causes or failures, key=lambda f: f.replica_id)
         error = failure.error
         note = (f"raised in replica {failure.replica_id} "
                 f"({self._devices[failure.replica_id].short_name}) of {type(self).__name__}.run")
@@ -423,6 +548,10 @@ class MirroredStrategy(Strategy):
         devices: replica devices (``"CPU:0"``, ``"GPU:1"``, ``"cuda:0"``, canonical
             names). ``CPU:k`` are logical CPU devices: several replicas on the host.
             Default: every visible CUDA device, else one CPU replica.
+        cross_device_ops: a `CrossDeviceOps`; default: NCCL when every replica has
+            its own GPU, else `ReductionToOneDevice`.
+        communication_options: default `CommunicationOptions` for collectives
+            (beyond TF, where only the multi-worker strategy takes them).
 
     Raises:
         ValueError: an empty list, duplicates, a malformed name, or a GPU that is
@@ -439,11 +568,13 @@ class MirroredStrategy(Strategy):
         tensor(1)
     """
 
-    def __init__(self, devices: Sequence[str | torch.device] | None = None) -> None:
+    def __init__(self, devices: Sequence[str | torch.device] | None = None,
+                 cross_device_ops: CrossDeviceOps | None = None, *,
+                 communication_options: CommunicationOptions | None = None) -> None:
         if devices is None:
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
             devices = [f"GPU:{i}" for i in range(count)] or ["CPU:0"]
-        super().__init__(parse_devices(devices))
+        super().__init__(parse_devices(devices), cross_device_ops, communication_options)
 
 
 @final

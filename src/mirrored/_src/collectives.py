@@ -1,0 +1,402 @@
+"""Replica-context collectives: all_reduce, all_gather and merge_call.
+
+Each call is prepared on the replica's own thread (inputs converted, reduced
+over ``axis`` locally, checked), meets the other replicas in the strategy's
+`Rendezvous`, is combined once by the last replica to arrive (packed per dtype,
+through the strategy's `CrossDeviceOps`, in replica order), and is finished on
+the replica's thread again (MEAN division, unpacking). all_reduce and
+all_gather are differentiable: their backward passes are collectives too.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import context, packing, pytree
+from .devices import Device
+from .options import CommunicationOptions
+from .reduce_op import ReduceOp
+from .reduction import copy_to, describe, mean_dtype, normalize_axis
+from .rendezvous import Arrival, Failure
+from .values import DistributedValues, regroup, select_replica
+
+if TYPE_CHECKING:
+    from .strategy import Strategy
+
+__all__ = ["all_gather", "all_reduce", "call_site", "merge_call"]
+
+
+def call_site(depth: int) -> str:
+    """``file.py:line`` of the frame ``depth`` levels above the caller."""
+    frame = sys._getframe(depth + 1)
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+def _tensors(value: Any, title: str) -> tuple[list[torch.Tensor], pytree.PyTreeSpec]:
+    paths, leaves, spec = pytree.flatten_with_path(value)
+    tensors = []
+    for path, leaf in zip(paths, leaves, strict=True):
+        if isinstance(leaf, DistributedValues):
+            raise TypeError(
+                f"{title} takes this replica's own tensors; got a {type(leaf).__name__} at "
+                f"{pytree.format_path(path)}. Pass values from inside strategy.run"
+            )
+        if not isinstance(leaf, torch.Tensor):
+            try:
+                leaf = torch.as_tensor(leaf)
+            except (TypeError, ValueError, RuntimeError):
+                raise TypeError(f"{title} expects tensors, Python numbers or NumPy arrays; got "
+                                f"{type(leaf).__name__} at {pytree.format_path(path)}") from None
+        tensors.append(leaf)
+    return tensors, spec
+
+
+def _identity(op: ReduceOp, dtype: torch.dtype) -> float | int | bool:
+    if dtype.is_floating_point:
+        return math.inf if op is ReduceOp.MIN else -math.inf
+    info = torch.iinfo(dtype)
+    return info.max if op is ReduceOp.MIN else info.min
+
+
+def _masked_shape(shape: torch.Size, dims: Sequence[int]) -> tuple[int, ...]:
+    return tuple(-1 if d in dims else s for d, s in enumerate(shape))
+
+
+def _leaf_dims(title: str, tensor: torch.Tensor, axes: tuple[int, ...], where: str
+               ) -> tuple[int, ...]:
+    rank = tensor.dim()
+    if rank == 0 and axes:
+        raise ValueError(f"{title}: a rank-0 value at {where} has no axis {axes[0]}; use "
+                         "axis=None to reduce scalars across replicas")
+    dims = []
+    for a in axes:
+        if not -rank <= a < rank:
+            raise ValueError(f"{title}: axis {a} is out of range for the rank-{rank} value at "
+                             f"{where} ({describe(tensor)}); valid axes are {-rank}..{rank - 1}")
+        dims.append(a % rank)
+    if len(set(dims)) != len(dims):
+        raise ValueError(f"{title}: axis {axes} names the same dimension twice (rank {rank})")
+    return tuple(dims)
+
+
+class _Collective:
+    """One replica's side of one all_reduce or all_gather call."""
+
+    def __init__(self, strategy: Strategy, replica_id: int, options: CommunicationOptions,
+                 site: str) -> None:
+        self.strategy = strategy
+        self.replica_id = replica_id
+        self.options = options
+        self.site = site
+
+    def exchange(self, arrival: Arrival) -> Any:
+        if self.strategy.num_replicas_in_sync == 1:
+            result = arrival.combine([arrival])[0]
+            if isinstance(result, Failure):
+                raise result.error_type(result.message)
+            return result
+        return self.strategy._rendezvous.exchange(self.replica_id, arrival,
+                                                  self.options.timeout_seconds)
+
+
+class _AllReduce(_Collective):
+    def __init__(self, strategy: Strategy, replica_id: int, options: CommunicationOptions,
+                 site: str, op: ReduceOp, axes: tuple[int, ...] | None, value: Any,
+                 title: str) -> None:
+        super().__init__(strategy, replica_id, options, site)
+        self.op = op
+        self.axes = axes
+        self.value = value
+        self.title = title
+        self.dims: list[tuple[int, ...]] = []
+        self.counts: list[int] = []
+        self.global_counts: list[int] = []
+
+    def forward(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        op, axes = self.op, self.axes
+        for t in tensors:
+            if t.dtype == torch.bool:
+                raise TypeError(f"{self.title} cannot reduce bool tensors; cast them first, e.g. "
+                                "x.to(torch.int32)")
+            if t.dtype.is_complex and op in (ReduceOp.MIN, ReduceOp.MAX):
+                raise TypeError(f"{self.title} is not defined for complex dtype {t.dtype}")
+        if axes is None:
+            partials = list(tensors)
+            signature_shapes = tuple(tuple(t.shape) for t in tensors)
+        else:
+            paths = None
+            partials = []
+            shapes = []
+            for k, t in enumerate(tensors):
+                if paths is None and (t.dim() == 0 or any(not -t.dim() <= a < t.dim()
+                                                          for a in axes)):
+                    paths = pytree.flatten_with_path(self.value)[0]
+                where = pytree.format_path(paths[k]) if paths is not None else "value"
+                dims = _leaf_dims(self.title, t, axes, where)
+                count = math.prod(t.shape[d] for d in dims)
+                self.dims.append(dims)
+                self.counts.append(count)
+                shapes.append(_masked_shape(t.shape, dims))
+                if op is ReduceOp.SUM or op is ReduceOp.MEAN:
+                    partials.append(t.sum(dim=dims, dtype=t.dtype) if dims else t)
+                elif count == 0:
+                    kept = [s for d, s in enumerate(t.shape) if d not in dims]
+                    partials.append(torch.full(kept, _identity(op, t.dtype), dtype=t.dtype,
+                                               device=t.device))
+                else:
+                    fn = torch.amin if op is ReduceOp.MIN else torch.amax
+                    partials.append(fn(t, dim=dims) if dims else t)
+            signature_shapes = tuple(shapes)
+        arrival = Arrival(
+            title=self.title, site=self.site,
+            signature=(self.title, self.structure_key(), signature_shapes,
+                       tuple(t.dtype for t in tensors)),
+            structure=self.structure_key(),
+            leaves=tuple(describe(t) for t in tensors),
+            value=self.value,
+            payload=(partials, self.counts),
+            combine=self.combine,
+        )
+        reduced, self.global_counts, failure = self.exchange(arrival)
+        if failure is not None:
+            raise ValueError(failure)
+        return [self.finish(k, t) for k, t in enumerate(reduced)]
+
+    def structure_key(self) -> Any:
+        return pytree.flatten(self.value)[1]
+
+    def finish(self, k: int, total: torch.Tensor) -> torch.Tensor:
+        if self.op is not ReduceOp.MEAN:
+            return total
+        divisor = self.strategy.num_replicas_in_sync if self.axes is None else (
+            self.global_counts[k])
+        promote = mean_dtype(total.dtype)
+        return (total if promote == total.dtype else total.to(promote)).div_(divisor)
+
+    def combine(self, arrivals: Sequence[Arrival]) -> list[Any]:
+        n = len(arrivals)
+        partials = [a.payload[0] for a in arrivals]
+        first = partials[0]
+        devices: Sequence[Device] = self.strategy._devices
+        ops = self.strategy._cross_device_ops_for(self.options)
+        base_op = ReduceOp.SUM if self.op is ReduceOp.MEAN else self.op
+        outputs: list[list[Any]] = [[None] * len(first) for _ in range(n)]
+        keys = [(t.dtype, tuple(p[k].device for p in partials)) for k, t in enumerate(first)]
+        nbytes = [t.numel() * t.element_size() for t in first]
+        for members in packing.plan(nbytes, keys, self.options.bytes_per_pack):
+            flats = [packing.pack([p[m] for m in members]) for p in partials]
+            reduced = ops.reduce_to_devices(base_op, flats, devices)
+            shapes = [first[m].shape for m in members]
+            for r in range(n):
+                for m, part in zip(members, packing.unpack(reduced[r], shapes), strict=True):
+                    outputs[r][m] = part
+        counts: list[int] = []
+        failure = None
+        if self.axes is not None:
+            counts = [sum(a.payload[1][k] for a in arrivals) for k in range(len(first))]
+            if self.op in (ReduceOp.MIN, ReduceOp.MAX) and 0 in counts:
+                k = counts.index(0)
+                where = pytree.format_path(pytree.flatten_with_path(self.value)[0][k])
+                failure = (f"{self.title} has no elements to reduce at {where}: every replica's "
+                           "value is empty along the axis")
+        return [(outputs[r], counts, failure) for r in range(n)]
+
+
+class _AllReduceFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, job: _AllReduce, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outputs = job.forward(tensors)
+        ctx.job = job
+        ctx.shapes = [t.shape for t in tensors]
+        ctx.outputs = [(t.shape, t.dtype, t.device) for t in outputs]
+        if job.op in (ReduceOp.MIN, ReduceOp.MAX):
+            ctx.save_for_backward(*tensors, *outputs)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        job: _AllReduce = ctx.job
+        n_in = len(ctx.shapes)
+        upstream = _zeros_for_none(grads, ctx.outputs)
+        dims = [job.dims[k] if job.axes is not None else () for k in range(n_in)]
+        if job.op in (ReduceOp.MIN, ReduceOp.MAX):
+            # The gradient goes to the elements that attain the extreme, split evenly
+            # among ties across replicas (as torch.amin/amax do within one tensor).
+            saved = ctx.saved_tensors
+            masks = [(x == _expand(out, d, x.shape)).to(g.dtype)
+                     for x, out, d, g in zip(saved[:n_in], saved[n_in:], dims, upstream,
+                                             strict=True)]
+            ties = [m.sum(dim=d, dtype=m.dtype) if d else m for m, d in zip(masks, dims,
+                                                                            strict=True)]
+            summed = _gradient_all_reduce(job, [*upstream, *ties])
+            return (None, *(_expand(g / t.clamp(min=1), d, shape) * m for g, t, d, shape, m in
+                            zip(summed[:n_in], summed[n_in:], dims, ctx.shapes, masks,
+                                strict=True)))
+        total = _gradient_all_reduce(job, upstream)
+        result = []
+        for k in range(n_in):
+            g = total[k]
+            if job.op is ReduceOp.MEAN:
+                g = g / (job.strategy.num_replicas_in_sync if job.axes is None
+                         else job.global_counts[k])
+            result.append(_expand(g, dims[k], ctx.shapes[k]))
+        return (None, *result)
+
+
+def _zeros_for_none(grads: Sequence[torch.Tensor | None],
+                    outputs: Sequence[tuple[torch.Size, torch.dtype, torch.device]]
+                    ) -> list[torch.Tensor]:
+    return [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+            for g, (shape, dtype, device) in zip(grads, outputs, strict=True)]
+
+
+def _expand(g: torch.Tensor, dims: Sequence[int], shape: torch.Size) -> torch.Tensor:
+    for d in sorted(dims):
+        g = g.unsqueeze(d)
+    return g.expand(shape)
+
+
+def _gradient_all_reduce(job: _Collective, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    title = f"gradient of {job.title if isinstance(job, _AllReduce) else 'all_gather'}"
+    inner = _AllReduce(job.strategy, job.replica_id, job.options, job.site, ReduceOp.SUM, None,
+                       grads, title)
+    return inner.forward(grads)
+
+
+def all_reduce(strategy: Strategy, replica_id: int, reduce_op: ReduceOp | str, value: Any,
+               options: CommunicationOptions | None, axis: Any, site: str) -> Any:
+    """`ReplicaContext.all_reduce`; see its docstring."""
+    op = ReduceOp.from_value(reduce_op)
+    axes = normalize_axis(axis)
+    merged = strategy._communication_options.merge(options)
+    axis_text = "" if axes is None else (
+        f", axis={axes[0]}" if len(axes) == 1 and not isinstance(axis, tuple | list)
+        else f", axis={axes}")
+    title = f"all_reduce({op.name}{axis_text})"
+    tensors, spec = _tensors(value, title)
+    job = _AllReduce(strategy, replica_id, merged, site, op, axes, value, title)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        outputs = list(_AllReduceFunction.apply(job, *tensors))
+    else:
+        outputs = job.forward(tensors)
+    return pytree.unflatten(spec, outputs)
+
+
+class _AllGather(_Collective):
+    def __init__(self, strategy: Strategy, replica_id: int, options: CommunicationOptions,
+                 site: str, axis: int, value: Any) -> None:
+        super().__init__(strategy, replica_id, options, site)
+        self.axis = axis
+        self.value = value
+        self.title = f"all_gather(axis={axis})"
+        self.dims: list[int] = []
+        self.offsets: list[tuple[int, int]] = []
+
+    def forward(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        paths = pytree.flatten_with_path(self.value)[0]
+        shapes = []
+        for k, t in enumerate(tensors):
+            where = pytree.format_path(paths[k])
+            if t.dim() == 0:
+                raise ValueError(f"{self.title} cannot concatenate the rank-0 value at {where}; "
+                                 "give it a dimension first, e.g. x[None]")
+            (dim,) = _leaf_dims(self.title, t, (self.axis,), where)
+            self.dims.append(dim)
+            shapes.append(_masked_shape(t.shape, (dim,)))
+        arrival = Arrival(
+            title=self.title, site=self.site,
+            signature=(self.title, pytree.flatten(self.value)[1], tuple(shapes),
+                       tuple(t.dtype for t in tensors)),
+            structure=pytree.flatten(self.value)[1],
+            leaves=tuple(describe(t) for t in tensors),
+            value=self.value, payload=list(tensors), combine=self.combine)
+        outputs, self.offsets = self.exchange(arrival)
+        return list(outputs)
+
+    def combine(self, arrivals: Sequence[Arrival]) -> list[Any]:
+        n = len(arrivals)
+        devices = self.strategy._devices
+        outputs: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        offsets: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+        for k, dim in enumerate(self.dims):
+            parts = [a.payload[k] for a in arrivals]
+            target = devices[0].torch_device
+            gathered = torch.cat([p.to(target) for p in parts], dim=dim)
+            start = 0
+            for r in range(n):
+                size = parts[r].shape[dim]
+                offsets[r].append((start, size))
+                start += size
+                outputs[r].append(gathered if r == 0 else copy_to(gathered,
+                                                                  devices[r].torch_device))
+        return [(outputs[r], offsets[r]) for r in range(n)]
+
+
+class _AllGatherFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, job: _AllGather, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outputs = job.forward(tensors)
+        ctx.job = job
+        ctx.outputs = [(t.shape, t.dtype, t.device) for t in outputs]
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        job: _AllGather = ctx.job
+        total = _gradient_all_reduce(job, _zeros_for_none(grads, ctx.outputs))
+        return (None, *(g.narrow(dim, start, size) for g, dim, (start, size)
+                        in zip(total, job.dims, job.offsets, strict=True)))
+
+
+def all_gather(strategy: Strategy, replica_id: int, value: Any, axis: int,
+               options: CommunicationOptions | None, site: str) -> Any:
+    """`ReplicaContext.all_gather`; see its docstring."""
+    if isinstance(axis, bool) or not isinstance(axis, int):
+        raise TypeError(f"all_gather: axis must be an int; got {type(axis).__name__} {axis!r}")
+    merged = strategy._communication_options.merge(options)
+    tensors, spec = _tensors(value, f"all_gather(axis={axis})")
+    job = _AllGather(strategy, replica_id, merged, site, axis, value)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        outputs = list(_AllGatherFunction.apply(job, *tensors))
+    else:
+        outputs = job.forward(tensors)
+    return pytree.unflatten(spec, outputs)
+
+
+def merge_call(strategy: Strategy, replica_id: int, merge_fn: Callable[..., Any],
+               args: Sequence[Any], kwargs: dict[str, Any] | None, site: str) -> Any:
+    """`ReplicaContext.merge_call`; see its docstring."""
+    if not callable(merge_fn):
+        raise TypeError(f"merge_call needs a callable merge_fn; got {type(merge_fn).__name__}")
+    if not isinstance(args, tuple | list):
+        raise ValueError(f"merge_call(merge_fn, args=...) takes a tuple or list; got "
+                         f"{type(args).__name__}")
+    kwargs = {} if kwargs is None else kwargs
+    devices = strategy.extended.worker_devices
+
+    def combine(arrivals: Sequence[Arrival]) -> list[Any]:
+        n = len(arrivals)
+        merged_args, merged_kwargs = regroup([a.payload[1:] for a in arrivals], devices)
+        with context.in_cross_replica(strategy):
+            result = arrivals[0].payload[0](strategy, *merged_args, **merged_kwargs)
+        leaves, spec = pytree.flatten(result)
+        for leaf in leaves:
+            if isinstance(leaf, DistributedValues) and len(leaf.values) != n:
+                raise ValueError(f"merge_fn returned a {type(leaf).__name__} with "
+                                 f"{len(leaf.values)} components for {n} replicas")
+        return [pytree.unflatten(spec, select_replica(r, leaves)) for r in range(n)]
+
+    if strategy.num_replicas_in_sync == 1:
+        with context.in_cross_replica(strategy):
+            return merge_fn(strategy, *args, **kwargs)
+    arrival = Arrival(title="merge_call", site=site, signature=("merge_call",), structure=None,
+                      leaves=(), value=None, payload=(merge_fn, tuple(args), kwargs),
+                      combine=combine)
+    return strategy._rendezvous.exchange(replica_id, arrival,
+                                         strategy._communication_options.timeout_seconds)

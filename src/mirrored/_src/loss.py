@@ -1,0 +1,66 @@
+"""`compute_average_loss`: the per-example loss averaged over the global batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import collectives, context
+
+__all__ = ["compute_average_loss"]
+
+
+def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = None
+                         ) -> torch.Tensor:
+    """Sums this replica's per-example losses and divides by the global batch size.
+
+    Summing the result over replicas (what gradient all-reduce does) gives the
+    mean over the global batch. With ``global_batch_size=None`` the divisor is the
+    true number of examples in this step across all replicas (one all-reduce of
+    the batch sizes), so partial and empty per-replica batches give exactly the
+    single-device mean (TF uses local size x replicas, which is wrong for uneven
+    splits). An all-empty step gives NaN, like ``torch.tensor([]).mean()``.
+
+    Args:
+        per_example_loss: losses with a leading batch dimension (``[batch, ...]``;
+            every element is summed, the batch size is ``shape[0]``).
+        global_batch_size: the number of examples across all replicas, if known.
+
+    Raises:
+        ValueError: a rank-0 loss, or a ``global_batch_size`` that is not a positive int.
+        RuntimeError: called in cross-replica context.
+
+    Example:
+        >>> import torch, mirrored
+        >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> losses = mirrored.PerReplica([torch.tensor([1.0, 2.0, 3.0]), torch.tensor([6.0])])
+        >>> per_replica = strategy.run(mirrored.compute_average_loss, args=(losses,))
+        >>> strategy.reduce("SUM", per_replica)
+        tensor(3.)
+    """
+    replica = context.get_replica_context()
+    if replica is None:
+        raise RuntimeError("compute_average_loss must be called in replica context (inside "
+                           "strategy.run); in cross-replica context reduce the losses with "
+                           "strategy.reduce('MEAN', per_example_loss, axis=0)")
+    loss = per_example_loss if isinstance(per_example_loss, torch.Tensor) else torch.as_tensor(
+        per_example_loss)
+    if loss.dim() == 0:
+        raise ValueError("compute_average_loss expects per-example losses with a batch "
+                         f"dimension; got a rank-0 tensor ({loss.item()!r}). Pass loss[None] "
+                         "for a single example, or reduce='none' from your loss function")
+    if not (loss.dtype.is_floating_point or loss.dtype.is_complex):
+        loss = loss.to(torch.get_default_dtype())
+    total = loss.sum()
+    if global_batch_size is not None:
+        if (isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int)
+                or global_batch_size <= 0):
+            raise ValueError("global_batch_size must be a positive int (or None to count "
+                             f"the examples); got {global_batch_size!r}")
+        return total / global_batch_size
+    count = torch.tensor(loss.shape[0], dtype=torch.int64, device=loss.device)
+    strategy = replica.strategy
+    global_count = collectives.all_reduce(strategy, replica.replica_id_in_sync_group, "SUM",
+                                          count, None, None, collectives.call_site(1))
+    return total / global_count.to(total.dtype)

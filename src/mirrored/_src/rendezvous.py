@@ -1,0 +1,284 @@
+"""The meeting point of a collective: every replica deposits an `Arrival`, the last
+one checks the collective contract, combines, and releases the others.
+
+States, per collective slot::
+
+    open --(replica i arrives, not last)--> waiting on its wake-up lock
+    open --(last replica arrives)--> completing --(results in mailboxes)--> open
+    any  --(mismatch | timeout | a replica exits early or raises)--> broken
+
+*Broken* lasts until the next ``run``: every waiting replica is released and
+raises, and every later collective call in this run raises at once, so no
+scenario hangs. Mismatch and timeout errors are raised in every replica; a
+replica released because another one raised gets `ReplicaAbortedError`, and
+``run`` reports the original exception instead.
+"""
+
+from __future__ import annotations
+
+import _thread
+import dataclasses
+import threading
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+from . import pytree
+from .errors import CollectiveMismatchError, CollectiveTimeoutError, ReplicaAbortedError
+
+__all__ = ["Arrival", "Failure", "Rendezvous"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Failure:
+    """A result slot that raises ``error_type(message)`` in its replica."""
+
+    error_type: type[BaseException]
+    message: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Arrival:
+    """What one replica brings to a collective.
+
+    ``title`` names the call (``all_reduce(SUM, axis=0)``); ``signature`` must be
+    equal on every replica; ``leaves`` (dtype/shape strings per leaf) and ``value``
+    describe the inputs in error messages; ``combine`` is run by the last replica
+    to arrive, on every arrival in replica order, and returns one result per replica.
+    """
+
+    title: str
+    site: str
+    signature: Hashable
+    structure: Any
+    leaves: tuple[str, ...]
+    value: Any
+    payload: Any
+    combine: Callable[[Sequence[Arrival]], Sequence[Any]]
+
+
+def _describe(arrival: Arrival, index: int | None) -> str:
+    if index is None:
+        inputs = ", ".join(arrival.leaves) if len(arrival.leaves) <= 4 else (
+            f"{len(arrival.leaves)} leaves")
+    else:
+        inputs = arrival.leaves[index]
+    return f"{arrival.title} of {inputs or 'nothing'} at {arrival.site}"
+
+
+def mismatch_message(arrivals: Sequence[Arrival], labels: Sequence[str]) -> str | None:
+    """``None`` if every arrival has replica 0's signature, else the error message."""
+    first = arrivals[0]
+    if all(a.signature == first.signature for a in arrivals):
+        return None
+    other = next(a for a in arrivals if a.signature != first.signature)
+    if other.title != first.title:
+        headline = "replicas called different collectives"
+        lines = [f"  {label}: {_describe(a, None)}" for label, a in zip(labels, arrivals,
+                                                                        strict=True)]
+    elif other.structure != first.structure:
+        found = pytree.first_difference(first.value, other.value)
+        where = found[0] if found else "value"
+        headline = f"replicas passed different structures (first difference at {where})"
+        lines = [f"  {label}: {a.title} of {_structure_at(a.value, where)} at {a.site}"
+                 for label, a in zip(labels, arrivals, strict=True)]
+    else:
+        index = next(k for k, (x, y) in enumerate(zip(first.leaves, other.leaves, strict=True))
+                     if x != y) if first.leaves != other.leaves else None
+        paths = pytree.flatten_with_path(first.value)[0]
+        where = pytree.format_path(paths[index]) if index is not None else "value"
+        headline = f"replicas passed mismatched inputs (first difference at {where})"
+        lines = [f"  {label}: {_describe(a, index)}"
+                 for label, a in zip(labels, arrivals, strict=True)]
+    return f"{first.title} got mismatched calls: {headline}:\n" + "\n".join(lines)
+
+
+def _structure_at(value: Any, where: str) -> str:
+    leaves, _ = pytree.flatten(value)
+    return f"{type(value).__name__} with {len(leaves)} leaves"
+
+
+class Rendezvous:
+    """Synchronizes the collectives of one strategy's replicas; see the module docstring.
+
+    Args:
+        labels: how messages name each replica (``"replica 0 (CPU:0)"``).
+    """
+
+    def __init__(self, labels: Sequence[str]) -> None:
+        self._labels = tuple(labels)
+        n = len(labels)
+        self._n = n
+        self._lock = threading.Lock()
+        self._wakeups = [_thread.allocate_lock() for _ in range(n)]
+        for wake in self._wakeups:
+            wake.acquire()
+        self._arrivals: list[Arrival | None] = [None] * n
+        self._count = 0
+        self._completing = False
+        self._mailbox: list[Any] = [None] * n
+        self._delivered = [False] * n
+        self._exited = [False] * n
+        self._broken: Failure | None = None
+        self._active = False
+
+    @property
+    def active(self) -> bool:
+        """Whether a ``run`` of this strategy is in progress."""
+        return self._active
+
+    def start(self) -> None:
+        """Resets the state for a new ``run``."""
+        with self._lock:
+            self._arrivals = [None] * self._n
+            self._count = 0
+            self._completing = False
+            self._mailbox = [None] * self._n
+            self._delivered = [False] * self._n
+            self._exited = [False] * self._n
+            self._broken = None
+            self._active = True
+
+    def finish(self) -> None:
+        """Marks the end of a ``run``."""
+        with self._lock:
+            self._active = False
+
+    # ----------------------------------------------------------- exchange
+    def exchange(self, replica_id: int, arrival: Arrival, timeout: float | None) -> Any:
+        """Deposits ``arrival`` and returns this replica's result once all arrived.
+
+        Raises:
+            CollectiveMismatchError: the replicas' calls differ, or a replica returned
+                from its function while others wait.
+            CollectiveTimeoutError: not every replica arrived within ``timeout``.
+            ReplicaAbortedError: another replica raised.
+            RuntimeError: called outside ``run``.
+        """
+        with self._lock:
+            if not self._active:
+                raise RuntimeError(
+                    f"{arrival.title} at {arrival.site} was called outside strategy.run: "
+                    "collectives (and backward passes through them) must run inside the step "
+                    "function, in every replica"
+                )
+            if self._broken is not None:
+                raise self._broken.error_type(self._broken.message)
+            exited = [j for j in range(self._n) if self._exited[j]]
+            if exited:
+                self._break(CollectiveMismatchError, self._early_exit_message(
+                    exited, {**{j: a for j, a in enumerate(self._arrivals) if a is not None},
+                             replica_id: arrival}))
+                raise CollectiveMismatchError(self._broken.message)  # type: ignore[union-attr]
+            self._arrivals[replica_id] = arrival
+            self._count += 1
+            last = self._count == self._n
+            if last:
+                arrivals: list[Arrival] = list(self._arrivals)  # type: ignore[arg-type]
+                self._completing = True
+        if not last:
+            return self._wait(replica_id, arrival, timeout)
+        return self._complete(replica_id, arrivals)
+
+    def _complete(self, replica_id: int, arrivals: list[Arrival]) -> Any:
+        message = mismatch_message(arrivals, self._labels)
+        if message is not None:
+            results: Sequence[Any] = [Failure(CollectiveMismatchError, message)] * self._n
+        else:
+            try:
+                results = arrivals[0].combine(arrivals)
+            except BaseException as error:  # delivered to replica 0, whose call it was
+                aborted = Failure(ReplicaAbortedError, (
+                    f"{arrivals[0].title} at {arrivals[0].site} failed in replica 0 with "
+                    f"{type(error).__name__}: {error}"))
+                results = [error, *([aborted] * (self._n - 1))]
+        with self._lock:
+            for j in range(self._n):
+                self._mailbox[j] = results[j]
+                self._delivered[j] = True
+                self._arrivals[j] = None
+            self._count = 0
+            self._completing = False
+            for j in range(self._n):
+                if j != replica_id:
+                    self._wakeups[j].release()
+            if message is not None:
+                self._broken = Failure(CollectiveMismatchError, message)
+        return self._take(replica_id)
+
+    def _wait(self, replica_id: int, arrival: Arrival, timeout: float | None) -> Any:
+        wake = self._wakeups[replica_id]
+        if timeout is None:
+            wake.acquire()
+            return self._take(replica_id)
+        if wake.acquire(timeout=timeout):
+            return self._take(replica_id)
+        with self._lock:
+            if not (self._completing or self._delivered[replica_id]
+                    or self._broken is not None):
+                arrived = [j for j, a in enumerate(self._arrivals) if a is not None]
+                missing = [j for j in range(self._n) if j not in arrived]
+                self._break(CollectiveTimeoutError, (
+                    f"{arrival.title} at {arrival.site} timed out after {timeout:g} s: "
+                    f"{len(missing)} of {self._n} replicas did not arrive\n"
+                    + "\n".join(f"  {self._labels[j]}: arrived" for j in arrived) + "\n"
+                    + "\n".join(f"  {self._labels[j]}: missing" for j in missing)))
+        wake.acquire()  # released by the completing replica or by _break
+        return self._take(replica_id)
+
+    def _take(self, replica_id: int) -> Any:
+        with self._lock:
+            if self._delivered[replica_id]:
+                result = self._mailbox[replica_id]
+                self._mailbox[replica_id] = None
+                self._delivered[replica_id] = False
+            else:
+                result = self._broken
+        if isinstance(result, Failure):
+            raise result.error_type(result.message)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _break(self, error_type: type[BaseException], message: str) -> None:
+        # Caller holds the lock. Releases every waiting replica; later calls raise too.
+        if self._broken is not None:
+            return
+        self._broken = Failure(error_type, message)
+        if self._completing:
+            return  # the completing replica delivers results to everyone
+        for j, waiting in enumerate(self._arrivals):
+            if waiting is not None:
+                self._arrivals[j] = None
+                self._wakeups[j].release()
+        self._count = 0
+
+    # ------------------------------------------------------- replica exits
+    def replica_exited(self, replica_id: int, error: BaseException | None) -> None:
+        """Called when replica ``replica_id``'s function returned or raised."""
+        with self._lock:
+            self._exited[replica_id] = True
+            if self._broken is not None:
+                return
+            waiting = {j: a for j, a in enumerate(self._arrivals) if a is not None}
+            if error is not None:
+                self._break(ReplicaAbortedError, (
+                    f"released from a collective because {self._labels[replica_id]} raised "
+                    f"{type(error).__name__}: {error}"))
+            elif waiting:
+                self._break(CollectiveMismatchError,
+                            self._early_exit_message([replica_id], waiting))
+
+    def _early_exit_message(self, exited: Sequence[int], waiting: dict[int, Arrival]) -> str:
+        first = waiting[min(waiting)]
+        names = ", ".join(self._labels[j] for j in exited)
+        lines = []
+        for j in range(self._n):
+            if j in waiting:
+                lines.append(f"  {self._labels[j]}: waiting in {_describe(waiting[j], None)}")
+            elif j in exited:
+                lines.append(f"  {self._labels[j]}: returned from its function")
+            else:
+                lines.append(f"  {self._labels[j]}: still running")
+        return (f"{first.title} at {first.site} can never complete: {names} returned from its "
+                "function without calling it, while other replicas wait in it. Every replica "
+                "must make the same collective calls in the same order\n" + "\n".join(lines))

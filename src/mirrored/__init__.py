@@ -9,12 +9,12 @@ Example:
     tensor(1)
 """
 
+from . import experimental as experimental
 from ._src.context import get_cross_replica_context as get_cross_replica_context
 from ._src.context import get_replica_context as get_replica_context
 from ._src.context import get_strategy as get_strategy
 from ._src.context import has_strategy as has_strategy
 from ._src.context import in_cross_replica_context as in_cross_replica_context
-from . import experimental as experimental
 from ._src.cross_device_ops import CrossDeviceOps as CrossDeviceOps
 from ._src.cross_device_ops import ReductionToOneDevice as ReductionToOneDevice
 from ._src.errors import CollectiveMismatchError as CollectiveMismatchError

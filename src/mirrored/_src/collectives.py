@@ -282,7 +282,7 @@ def all_reduce(strategy: Strategy, replica_id: int, reduce_op: ReduceOp | str, v
     tensors, spec = _tensors(value, title)
     job = _AllReduce(strategy, replica_id, merged, site, op, axes, value, title)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        outputs = list(_AllReduceFunction.apply(job, *tensors))
+        outputs = list(_AllReduceFunction.apply(job, *tensors))  # type: ignore[no-untyped-call]
     else:
         outputs = job.forward(tensors)
     return pytree.unflatten(spec, outputs)
@@ -363,7 +363,7 @@ def all_gather(strategy: Strategy, replica_id: int, value: Any, axis: int,
     tensors, spec = _tensors(value, f"all_gather(axis={axis})")
     job = _AllGather(strategy, replica_id, merged, site, axis, value)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        outputs = list(_AllGatherFunction.apply(job, *tensors))
+        outputs = list(_AllGatherFunction.apply(job, *tensors))  # type: ignore[no-untyped-call]
     else:
         outputs = job.forward(tensors)
     return pytree.unflatten(spec, outputs)

@@ -284,8 +284,8 @@ class NcclAllReduce(CrossDeviceOps):
             from torch.cuda import nccl
 
             outputs = [c.contiguous().clone() for c in components]
-            if nccl.is_available(outputs):
-                nccl.all_reduce(outputs, op=_NCCL_OPS[reduce_op])
+            if nccl.is_available(outputs):  # type: ignore[no-untyped-call]
+                nccl.all_reduce(outputs, op=_NCCL_OPS[reduce_op])  # type: ignore[no-untyped-call]
                 return outputs
         return self._fallback.reduce_to_devices(reduce_op, components, devices)
 

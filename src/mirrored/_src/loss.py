@@ -63,4 +63,5 @@ def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = 
     strategy = replica.strategy
     global_count = collectives.all_reduce(strategy, replica.replica_id_in_sync_group, "SUM",
                                           count, None, None, collectives.call_site(1))
-    return total / global_count.to(total.dtype)
+    average: torch.Tensor = total / global_count.to(total.dtype)
+    return average

@@ -61,4 +61,4 @@ def unpack(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tenso
     if len(shapes) == 1:
         return [flat.view(shapes[0])]
     sizes = [s.numel() for s in shapes]
-    return [part.view(shape) for part, shape in zip(flat.split(sizes), shapes, strict=True)]
+    return [part.view(shape) for part, shape in zip(torch.split(flat, sizes), shapes, strict=True)]

@@ -110,7 +110,7 @@ def _node_description(tree: Any) -> str:
     return f"a {type(tree).__name__} of {len(children)}"
 
 
-def first_difference(a: Any, b: Any) -> tuple[str, str, str] | None:
+def first_difference(a: Any, b: Any, root: str = "value") -> tuple[str, str, str] | None:
     """Finds where two trees' structures first differ.
 
     Returns:
@@ -122,7 +122,7 @@ def first_difference(a: Any, b: Any) -> tuple[str, str, str] | None:
         y_leaf = optree.tree_is_leaf(y, is_leaf=_is_leaf, namespace=NAMESPACE)
         if x_leaf and y_leaf:
             return None
-        here = (format_path(path, "result"), _node_description(x), _node_description(y))
+        here = (format_path(path, root), _node_description(x), _node_description(y))
         if x_leaf != y_leaf or type(x) is not type(y):
             return here
         xs = optree.tree_flatten_one_level(x, is_leaf=_is_leaf, namespace=NAMESPACE)
@@ -134,7 +134,7 @@ def first_difference(a: Any, b: Any) -> tuple[str, str, str] | None:
             extra = [e for e in y_entries if e not in x_entries]
             if missing or extra:
                 key = (missing or extra)[0]
-                where = format_path((*path, key), "result")
+                where = format_path((*path, key), root)
                 has_x = "present" if key in x_entries else "missing"
                 has_y = "present" if key in y_entries else "missing"
                 return (where, has_x, has_y)

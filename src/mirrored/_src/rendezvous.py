@@ -165,10 +165,11 @@ class Rendezvous:
                 raise self._broken.error_type(self._broken.message)
             exited = [j for j in range(self._n) if self._exited[j]]
             if exited:
-                self._break(CollectiveMismatchError, self._early_exit_message(
+                message = self._early_exit_message(
                     exited, {**{j: a for j, a in enumerate(self._arrivals) if a is not None},
-                             replica_id: arrival}))
-                raise CollectiveMismatchError(self._broken.message)  # type: ignore[union-attr]
+                             replica_id: arrival})
+                self._break(CollectiveMismatchError, message)
+                raise CollectiveMismatchError(message)
             self._arrivals[replica_id] = arrival
             self._count += 1
             last = self._count == self._n

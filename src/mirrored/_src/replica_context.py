@@ -60,13 +60,13 @@ class ReplicaContext:
                 f"num_replicas_in_sync={self.num_replicas_in_sync})")
 
     def _check_current(self, method: str) -> None:
-        if self._strategy.num_replicas_in_sync > 1 and context.current_replica_context() is not self:
+        current = context.current_replica_context()
+        if self._strategy.num_replicas_in_sync > 1 and current is not self:
             raise RuntimeError(
                 f"ReplicaContext.{method} of replica {self._replica_id} must be called by that "
                 "replica, inside strategy.run; it was called from "
-                + ("cross-replica context (e.g. a merge_fn)"
-                   if context.current_replica_context() is None else "another replica")
-            )
+                + ("cross-replica context (e.g. a merge_fn)" if current is None
+                   else "another replica"))
 
     def all_reduce(self, reduce_op: ReduceOp | str, value: Any,
                    options: CommunicationOptions | None = None, axis: Any = None) -> Any:
@@ -97,8 +97,8 @@ class ReplicaContext:
             >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
             >>> def step():
             ...     ctx = mirrored.get_replica_context()
-            ...     x = torch.arange(4.0) if ctx.replica_id_in_sync_group == 0 else torch.tensor([4.0, 5])
-            ...     return ctx.all_reduce("MEAN", x, axis=0)
+            ...     batches = [torch.tensor([0.0, 1, 2, 3]), torch.tensor([4.0, 5])]
+            ...     return ctx.all_reduce("MEAN", batches[ctx.replica_id_in_sync_group], axis=0)
             >>> strategy.experimental_local_results(strategy.run(step))
             (tensor(2.5000), tensor(2.5000))
         """

@@ -161,7 +161,7 @@ def regroup(results: Sequence[Any], devices: Sequence[str], *,
     leaves0, spec0 = flat[0]
     for i in range(1, len(flat)):
         if flat[i][1] != spec0:
-            diff = pytree.first_difference(results[0], results[i])
+            diff = pytree.first_difference(results[0], results[i], "result")
             where, got0, got_i = diff if diff is not None else ("the result", str(spec0),
                                                                 str(flat[i][1]))
             raise ValueError(

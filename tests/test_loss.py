@@ -1,0 +1,62 @@
+"""compute_average_loss: exact single-device means over uneven and empty batches."""
+
+import math
+
+import pytest
+import torch
+
+import mirrored
+
+
+@pytest.mark.parametrize("sizes", [[4, 4], [3, 2], [2, 2, 2, 0], [0, 5], [1]])
+def test_matches_single_device_mean(strategies, sizes):
+    strategy = strategies[len(sizes)]
+    gen = torch.Generator().manual_seed(sum(sizes))
+    batch = torch.randn(sum(sizes), generator=gen)
+    chunks = list(torch.split(batch, sizes))
+    per_replica = mirrored.PerReplica(chunks) if len(sizes) > 1 else chunks[0]
+    losses = strategy.run(mirrored.compute_average_loss, args=(per_replica,))
+    total = strategy.reduce("SUM", losses) if len(sizes) > 1 else losses
+    torch.testing.assert_close(total, batch.mean())
+
+
+def test_given_global_batch_size(two):
+    v = mirrored.PerReplica([torch.tensor([1.0, 2.0]), torch.tensor([3.0])])
+    out = two.run(lambda x: mirrored.compute_average_loss(x, global_batch_size=4), args=(v,))
+    assert [t.item() for t in out.values] == [0.75, 0.75]
+
+
+def test_gradients_match_single_device(two):
+    w = torch.tensor(2.0)
+    data = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([4.0])]
+
+    def step(x):
+        weight = w.clone().requires_grad_(True)
+        loss = mirrored.compute_average_loss((weight * x) ** 2)
+        loss.backward()
+        return weight.grad
+
+    grads = two.run(step, args=(mirrored.PerReplica(data),))
+    weight = w.clone().requires_grad_(True)
+    ((weight * torch.cat(data)) ** 2).mean().backward()
+    torch.testing.assert_close(sum(grads.values), weight.grad)
+
+
+def test_all_empty_is_nan(two):
+    v = mirrored.PerReplica([torch.zeros(0), torch.zeros(0)])
+    out = two.run(mirrored.compute_average_loss, args=(v,))
+    assert all(math.isnan(t.item()) for t in out.values)
+
+
+def test_errors(two):
+    with pytest.raises(ValueError, match=r"expects per-example losses with a batch dimension; "
+                                         r"got a rank-0 tensor"):
+        two.run(mirrored.compute_average_loss, args=(torch.tensor(1.0),))
+    with pytest.raises(ValueError, match=r"global_batch_size must be a positive int"):
+        two.run(lambda: mirrored.compute_average_loss(torch.ones(2), global_batch_size=0))
+    with two.scope(), pytest.raises(RuntimeError, match=r"must be called in replica context"):
+        mirrored.compute_average_loss(torch.ones(2))
+
+
+def test_outside_any_strategy_is_the_local_mean():
+    assert mirrored.compute_average_loss(torch.tensor([1.0, 3.0])).item() == 2.0

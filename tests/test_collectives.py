@@ -260,3 +260,13 @@ def test_replicas_wait_for_each_other_in_collectives(strategies):
 
     strategy.run(step)
     assert [kind for kind, _ in order[:3]] == ["before"] * 3
+
+
+def test_run_inside_merge_fn_raises_instead_of_deadlocking(two):
+    def step():
+        return mirrored.get_replica_context().merge_call(lambda s: s.run(lambda: 1))
+
+    with pytest.raises(RuntimeError, match=r"run cannot be called inside a replica \(from the fn "
+                                           r"of another run, or from a merge_fn\)"):
+        two.run(step)
+    assert two.run(lambda: 2) == 2

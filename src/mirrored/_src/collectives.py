@@ -39,20 +39,21 @@ def call_site(depth: int) -> str:
 
 
 def _tensors(value: Any, title: str) -> tuple[list[torch.Tensor], pytree.PyTreeSpec]:
-    paths, leaves, spec = pytree.flatten_with_path(value)
+    leaves, spec = pytree.flatten(value)
     tensors = []
-    for path, leaf in zip(paths, leaves, strict=True):
-        if isinstance(leaf, DistributedValues):
-            raise TypeError(
-                f"{title} takes this replica's own tensors; got a {type(leaf).__name__} at "
-                f"{pytree.format_path(path)}. Pass values from inside strategy.run"
-            )
+    for k, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor):
+            where = pytree.format_path(pytree.flatten_with_path(value)[0][k])
+            if isinstance(leaf, DistributedValues):
+                raise TypeError(
+                    f"{title} takes this replica's own tensors; got a {type(leaf).__name__} at "
+                    f"{where}. Pass values from inside strategy.run"
+                )
             try:
                 leaf = torch.as_tensor(leaf)
             except (TypeError, ValueError, RuntimeError):
                 raise TypeError(f"{title} expects tensors, Python numbers or NumPy arrays; got "
-                                f"{type(leaf).__name__} at {pytree.format_path(path)}") from None
+                                f"{type(leaf).__name__} at {where}") from None
         tensors.append(leaf)
     return tensors, spec
 
@@ -108,12 +109,13 @@ class _Collective:
 class _AllReduce(_Collective):
     def __init__(self, strategy: Strategy, replica_id: int, options: CommunicationOptions,
                  site: str, op: ReduceOp, axes: tuple[int, ...] | None, value: Any,
-                 title: str) -> None:
+                 title: str, spec: pytree.PyTreeSpec) -> None:
         super().__init__(strategy, replica_id, options, site)
         self.op = op
         self.axes = axes
         self.value = value
         self.title = title
+        self.spec = spec
         self.dims: list[tuple[int, ...]] = []
         self.counts: list[int] = []
         self.global_counts: list[int] = []
@@ -153,12 +155,12 @@ class _AllReduce(_Collective):
                     fn = torch.amin if op is ReduceOp.MIN else torch.amax
                     partials.append(fn(t, dim=dims) if dims else t)
             signature_shapes = tuple(shapes)
+        dtypes = tuple(t.dtype for t in tensors)
         arrival = Arrival(
             title=self.title, site=self.site,
-            signature=(self.title, self.structure_key(), signature_shapes,
-                       tuple(t.dtype for t in tensors)),
-            structure=self.structure_key(),
-            leaves=tuple(describe(t) for t in tensors),
+            signature=(self.title, self.spec, signature_shapes, dtypes),
+            structure=self.spec,
+            leaves=tuple(zip(dtypes, (tuple(t.shape) for t in tensors), strict=True)),
             value=self.value,
             payload=(partials, self.counts),
             combine=self.combine,
@@ -167,9 +169,6 @@ class _AllReduce(_Collective):
         if failure is not None:
             raise ValueError(failure)
         return [self.finish(k, t) for k, t in enumerate(reduced)]
-
-    def structure_key(self) -> Any:
-        return pytree.flatten(self.value)[1]
 
     def finish(self, k: int, total: torch.Tensor) -> torch.Tensor:
         if self.op is not ReduceOp.MEAN:
@@ -192,9 +191,9 @@ class _AllReduce(_Collective):
         for members in packing.plan(nbytes, keys, self.options.bytes_per_pack):
             flats = [packing.pack([p[m] for m in members]) for p in partials]
             reduced = ops.reduce_to_devices(base_op, flats, devices)
-            shapes = [first[m].shape for m in members]
+            like = [first[m] for m in members]
             for r in range(n):
-                for m, part in zip(members, packing.unpack(reduced[r], shapes), strict=True):
+                for m, part in zip(members, packing.unpack(reduced[r], like), strict=True):
                     outputs[r][m] = part
         counts: list[int] = []
         failure = None
@@ -265,7 +264,7 @@ def _expand(g: torch.Tensor, dims: Sequence[int], shape: torch.Size) -> torch.Te
 def _gradient_all_reduce(job: _Collective, grads: list[torch.Tensor]) -> list[torch.Tensor]:
     title = f"gradient of {job.title if isinstance(job, _AllReduce) else 'all_gather'}"
     inner = _AllReduce(job.strategy, job.replica_id, job.options, job.site, ReduceOp.SUM, None,
-                       grads, title)
+                       grads, title, pytree.flatten(grads)[1])
     return inner.forward(grads)
 
 
@@ -280,7 +279,7 @@ def all_reduce(strategy: Strategy, replica_id: int, reduce_op: ReduceOp | str, v
         else f", axis={axes}")
     title = f"all_reduce({op.name}{axis_text})"
     tensors, spec = _tensors(value, title)
-    job = _AllReduce(strategy, replica_id, merged, site, op, axes, value, title)
+    job = _AllReduce(strategy, replica_id, merged, site, op, axes, value, title, spec)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         outputs = list(_AllReduceFunction.apply(job, *tensors))  # type: ignore[no-untyped-call]
     else:
@@ -290,31 +289,32 @@ def all_reduce(strategy: Strategy, replica_id: int, reduce_op: ReduceOp | str, v
 
 class _AllGather(_Collective):
     def __init__(self, strategy: Strategy, replica_id: int, options: CommunicationOptions,
-                 site: str, axis: int, value: Any) -> None:
+                 site: str, axis: int, value: Any, spec: pytree.PyTreeSpec) -> None:
         super().__init__(strategy, replica_id, options, site)
         self.axis = axis
         self.value = value
+        self.spec = spec
         self.title = f"all_gather(axis={axis})"
         self.dims: list[int] = []
         self.offsets: list[tuple[int, int]] = []
 
     def forward(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        paths = pytree.flatten_with_path(self.value)[0]
         shapes = []
         for k, t in enumerate(tensors):
-            where = pytree.format_path(paths[k])
+            where = pytree.format_path(pytree.flatten_with_path(self.value)[0][k]) if (
+                t.dim() == 0 or not -t.dim() <= self.axis < t.dim()) else "value"
             if t.dim() == 0:
                 raise ValueError(f"{self.title} cannot concatenate the rank-0 value at {where}; "
                                  "give it a dimension first, e.g. x[None]")
             (dim,) = _leaf_dims(self.title, t, (self.axis,), where)
             self.dims.append(dim)
             shapes.append(_masked_shape(t.shape, (dim,)))
+        dtypes = tuple(t.dtype for t in tensors)
         arrival = Arrival(
             title=self.title, site=self.site,
-            signature=(self.title, pytree.flatten(self.value)[1], tuple(shapes),
-                       tuple(t.dtype for t in tensors)),
-            structure=pytree.flatten(self.value)[1],
-            leaves=tuple(describe(t) for t in tensors),
+            signature=(self.title, self.spec, tuple(shapes), dtypes),
+            structure=self.spec,
+            leaves=tuple(zip(dtypes, (tuple(t.shape) for t in tensors), strict=True)),
             value=self.value, payload=list(tensors), combine=self.combine)
         outputs, self.offsets = self.exchange(arrival)
         return list(outputs)
@@ -361,7 +361,7 @@ def all_gather(strategy: Strategy, replica_id: int, value: Any, axis: int,
         raise TypeError(f"all_gather: axis must be an int; got {type(axis).__name__} {axis!r}")
     merged = strategy._communication_options.merge(options)
     tensors, spec = _tensors(value, f"all_gather(axis={axis})")
-    job = _AllGather(strategy, replica_id, merged, site, axis, value)
+    job = _AllGather(strategy, replica_id, merged, site, axis, value, spec)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         outputs = list(_AllGatherFunction.apply(job, *tensors))  # type: ignore[no-untyped-call]
     else:
@@ -383,7 +383,7 @@ def merge_call(strategy: Strategy, replica_id: int, merge_fn: Callable[..., Any]
     def combine(arrivals: Sequence[Arrival]) -> list[Any]:
         n = len(arrivals)
         merged_args, merged_kwargs = regroup([a.payload[1:] for a in arrivals], devices)
-        with context.in_cross_replica(strategy):
+        with context.in_merge_fn(strategy):
             result = arrivals[0].payload[0](strategy, *merged_args, **merged_kwargs)
         leaves, spec = pytree.flatten(result)
         for leaf in leaves:
@@ -393,7 +393,7 @@ def merge_call(strategy: Strategy, replica_id: int, merge_fn: Callable[..., Any]
         return [pytree.unflatten(spec, select_replica(r, leaves)) for r in range(n)]
 
     if strategy.num_replicas_in_sync == 1:
-        with context.in_cross_replica(strategy):
+        with context.in_merge_fn(strategy):
             return merge_fn(strategy, *args, **kwargs)
     arrival = Arrival(title="merge_call", site=site, signature=("merge_call",), structure=None,
                       leaves=(), value=None, payload=(merge_fn, tuple(args), kwargs),

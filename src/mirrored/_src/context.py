@@ -33,6 +33,7 @@ __all__ = [
 class _Frame(NamedTuple):
     strategy: Strategy
     replica_context: ReplicaContext | None
+    merging: bool = False
 
 
 class _State(threading.local):
@@ -83,10 +84,10 @@ def in_replica(strategy: Strategy, replica_context: ReplicaContext) -> Iterator[
 
 
 @contextmanager
-def in_cross_replica(strategy: Strategy) -> Iterator[None]:
-    """Puts this thread in cross-replica context of ``strategy`` (used by merge_call)."""
+def in_merge_fn(strategy: Strategy) -> Iterator[None]:
+    """Puts this thread in the cross-replica context of a ``merge_fn`` of ``strategy``."""
     stack = _state.stack
-    stack.append(_Frame(strategy, None))
+    stack.append(_Frame(strategy, None, merging=True))
     try:
         yield
     finally:
@@ -172,6 +173,11 @@ def in_cross_replica_context() -> bool:
     """
     top = _top()
     return top is not None and top.replica_context is None
+
+
+def in_merge_fn_of_run() -> bool:
+    """Whether this thread runs a ``merge_fn`` (inside some replica's ``run``)."""
+    return any(frame.merging for frame in _state.stack)
 
 
 def current_replica_context() -> ReplicaContext | None:

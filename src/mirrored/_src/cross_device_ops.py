@@ -198,8 +198,8 @@ class CrossDeviceOps(abc.ABC):
             devices = items[members[0]][2]
             flats = [packing.pack([items[m][1][r] for m in members]) for r in range(n)]
             reduced = self.reduce_to_devices(base_op, flats, devices)
-            shapes = [firsts[m].shape for m in members]
-            per_destination = [packing.unpack(flat, shapes) for flat in reduced]
+            like = [firsts[m] for m in members]
+            per_destination = [packing.unpack(flat, like) for flat in reduced]
             for position, m in enumerate(members):
                 outputs = [parts[position] for parts in per_destination]
                 if op is ReduceOp.MEAN:

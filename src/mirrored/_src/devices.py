@@ -9,6 +9,7 @@ device ``k``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Sequence
 
@@ -56,6 +57,17 @@ class Device:
 
 def parse_device(spec: str | torch.device | Device, *, job: str = "localhost",
                  task: int = 0) -> Device:
+    if isinstance(spec, str):
+        return _parse_string(spec, job, task)
+    return _parse(spec, job, task)
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse_string(spec: str, job: str, task: int) -> Device:
+    return _parse(spec, job, task)
+
+
+def _parse(spec: str | torch.device | Device, job: str, task: int) -> Device:
     """Parses ``"CPU:1"``, ``"cpu"``, ``"GPU:0"``, ``"cuda:0"``, ``torch.device("cuda", 1)``
     or a canonical name (its job and task win over ``job``/``task``).
 

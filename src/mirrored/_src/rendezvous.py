@@ -36,12 +36,12 @@ class Failure:
     message: str
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class Arrival:
     """What one replica brings to a collective.
 
     ``title`` names the call (``all_reduce(SUM, axis=0)``); ``signature`` must be
-    equal on every replica; ``leaves`` (dtype/shape strings per leaf) and ``value``
+    equal on every replica; ``leaves`` (dtype and shape per leaf) and ``value``
     describe the inputs in error messages; ``combine`` is run by the last replica
     to arrive, on every arrival in replica order, and returns one result per replica.
     """
@@ -50,18 +50,24 @@ class Arrival:
     site: str
     signature: Hashable
     structure: Any
-    leaves: tuple[str, ...]
+    leaves: tuple[tuple[Any, tuple[int, ...]], ...]
     value: Any
     payload: Any
     combine: Callable[[Sequence[Arrival]], Sequence[Any]]
 
 
+def _leaf(dtype: Any, shape: tuple[int, ...]) -> str:
+    return f"{str(dtype).removeprefix('torch.')}{list(shape)}"
+
+
 def _describe(arrival: Arrival, index: int | None) -> str:
-    if index is None:
-        inputs = ", ".join(arrival.leaves) if len(arrival.leaves) <= 4 else (
-            f"{len(arrival.leaves)} leaves")
+    leaves = arrival.leaves
+    if index is not None:
+        inputs = _leaf(*leaves[index])
+    elif len(leaves) <= 4:
+        inputs = ", ".join(_leaf(*leaf) for leaf in leaves)
     else:
-        inputs = arrival.leaves[index]
+        inputs = f"{len(leaves)} leaves"
     return f"{arrival.title} of {inputs or 'nothing'} at {arrival.site}"
 
 

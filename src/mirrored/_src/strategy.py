@@ -312,10 +312,10 @@ class Strategy:
             >>> strategy.run(lambda v: v * 10, args=(x,))
             PerReplica:{0: tensor(0.), 1: tensor(10.)}
         """
-        if context.current_replica_context() is not None:
+        if context.current_replica_context() is not None or context.in_merge_fn_of_run():
             raise RuntimeError(
                 f"{type(self).__name__}.run cannot be called inside a replica (from the fn of "
-                "another run); call the inner function directly"
+                "another run, or from a merge_fn); call the inner function directly"
             )
         if not isinstance(args, tuple | list):
             raise ValueError(

@@ -19,9 +19,10 @@ def rid():
 
 
 def inputs(i):
-    """Replica i's closed-form inputs: a nest of several dtypes."""
+    """Replica i's closed-form inputs: a nest of several dtypes (int8 near its limits)."""
     return {"w": torch.arange(6.0).reshape(2, 3) * (i + 1),
-            "b": [torch.tensor([i, -i, 2 * i], dtype=torch.int32), torch.tensor(float(i))]}
+            "b": [torch.tensor([i, -i, 2 * i], dtype=torch.int32), torch.tensor(float(i)),
+                  torch.tensor([120 - i, -120 + i], dtype=torch.int8)]}
 
 
 @pytest.mark.parametrize("n", REPLICAS)
@@ -32,7 +33,7 @@ def test_all_reduce_of_a_nest_matches_reference(strategies, n, op):
         strategy.run(lambda: mirrored.get_replica_context().all_reduce(op, inputs(rid()))))
     everyone = [inputs(i) for i in range(n)]
     for result in results:
-        for path in [("w",), ("b", 0), ("b", 1)]:
+        for path in [("w",), ("b", 0), ("b", 1), ("b", 2)]:
             values = [e[path[0]] if len(path) == 1 else e[path[0]][path[1]] for e in everyone]
             got = result[path[0]] if len(path) == 1 else result[path[0]][path[1]]
             expected = single_replica_reference(op, values)
@@ -44,9 +45,12 @@ def single_replica_reference(op, values):
     stacked = torch.stack(values)
     if op == "SUM":
         return stacked.sum(0, dtype=values[0].dtype)
-    if op == "MEAN":
-        dtype = values[0].dtype if values[0].is_floating_point() else torch.float64
-        return stacked.sum(0, dtype=values[0].dtype).to(dtype) / len(values)
+    if op == "MEAN":  # exact (int64) sums for integers, then true division
+        if values[0].is_floating_point():
+            return stacked.sum(0) / len(values)
+        narrow = values[0].dtype in (torch.int8, torch.uint8, torch.int16)
+        dtype = torch.float32 if narrow else torch.float64
+        return stacked.sum(0, dtype=torch.int64).to(dtype) / len(values)
     return stacked.amin(0) if op == "MIN" else stacked.amax(0)
 
 

@@ -217,3 +217,20 @@ def test_nccl_path_on_two_gpus():
         assert total.device == torch.device("cuda", i)
         assert total.cpu().tolist() == [0.0, 3.0, 6.0, 9.0]
         assert maximum.cpu().tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+def test_strategy_options_apply_and_calls_override_them():
+    ops = RecordingOps()
+    strategy = mirrored.MirroredStrategy(
+        ["CPU:0", "CPU:1"], cross_device_ops=ops,
+        communication_options=CommunicationOptions(bytes_per_pack=400))
+    leaves = [torch.ones(25) for _ in range(8)]  # 100 bytes each
+    strategy.run(lambda: mirrored.get_replica_context().all_reduce("SUM", leaves))
+    assert ops.packs == [(torch.float32, 400), (torch.float32, 400)]
+    ops.packs.clear()
+    strategy.run(lambda: mirrored.get_replica_context().all_reduce(
+        "SUM", leaves, options=CommunicationOptions(bytes_per_pack=200)))
+    assert ops.packs == [(torch.float32, 200)] * 4
+    ops.packs.clear()
+    strategy.extended.batch_reduce_to("SUM", [(pr([1.0] * 25, [1.0] * 25), "CPU:0")] * 8)
+    assert ops.packs == [(torch.float32, 400), (torch.float32, 400)]

@@ -1,4 +1,5 @@
-"""CommunicationOptions: validation, merging, per-strategy and per-call."""
+"""CommunicationOptions: validation and merging (their use per strategy and per call is
+tested in test_cross_device_ops.py and test_contract.py)."""
 
 import pytest
 

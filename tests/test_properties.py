@@ -24,11 +24,17 @@ def mean_dtype(dtype):
     return np.float32 if dtype in (np.int8, np.uint8, np.int16) else np.float64
 
 
-def random_array(rng, shape, dtype):
+def random_array(rng, shape, dtype, small=False):
     if np.issubdtype(dtype, np.floating):
         return rng.standard_normal(shape).astype(dtype)
-    low = 0 if dtype == np.uint8 else -5
-    return rng.integers(low, 6, size=shape).astype(dtype)
+    if small:
+        low = 0 if dtype == np.uint8 else -5
+        return rng.integers(low, 6, size=shape).astype(dtype)
+    # The full range of narrow integers, so sums overflow: SUM must wrap like the
+    # dtype does, MEAN must not (it sums exactly before dividing).
+    info = np.iinfo(dtype)
+    low, high = max(info.min, -(10**6)), min(info.max, 10**6)
+    return rng.integers(low, high, size=shape, endpoint=True).astype(dtype)
 
 
 @st.composite
@@ -62,21 +68,29 @@ def reduce_cases(draw):
 
 
 def numpy_reduce(op, axis, dims, components):
-    """The reference: returns an array, or the string "ValueError"."""
+    """The reference: returns an array, or the string "ValueError".
+
+    SUM wraps in the input dtype; MEAN is the exact sum (int64 for integers) divided
+    in the promoted dtype."""
     n = len(components)
     dtype = components[0].dtype.type
+    exact = dtype if np.issubdtype(dtype, np.floating) or op == "SUM" else np.int64
     if axis is None:
         if op in ("SUM", "MEAN"):
-            total = functools.reduce(np.add, components)
+            with np.errstate(over="ignore"):
+                total = np.asarray(functools.reduce(
+                    np.add, [c.astype(exact) for c in components]), dtype=exact)
             if op == "SUM":
                 return total
-            return total.astype(mean_dtype(dtype)) / n
+            return np.asarray(total.astype(mean_dtype(dtype)) / n)
         fn = np.minimum if op == "MIN" else np.maximum
         return functools.reduce(fn, components)
     counts = [math.prod(c.shape[d] for d in dims) for c in components]
     if op in ("SUM", "MEAN"):
-        partials = [c.sum(axis=dims, dtype=dtype) if dims else c for c in components]
-        total = np.asarray(functools.reduce(np.add, partials), dtype=dtype)
+        with np.errstate(over="ignore"):
+            partials = [c.sum(axis=dims, dtype=exact) if dims else c.astype(exact)
+                        for c in components]
+            total = np.asarray(functools.reduce(np.add, partials), dtype=exact)
         if op == "SUM":
             return total
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -122,7 +136,7 @@ def gather_cases(draw):
     for _ in range(n):
         shape = list(base)
         shape[axis] = draw(st.integers(0, 4))
-        components.append(random_array(rng, shape, np.int8).astype(dtype))
+        components.append(random_array(rng, shape, np.int8, small=True).astype(dtype))
     return n, axis, components
 
 

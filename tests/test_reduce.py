@@ -130,13 +130,23 @@ def test_mean_promotion(two, dtype, expected):
         assert two.reduce(op, v, axis=0).dtype == dtype
 
 
-def test_single_replica_per_replica_mean_promotes():
+def test_single_replica_mean_of_integers_promotes():
+    # SPEC section 13: MEAN of a per-replica integer value promotes whatever the
+    # replica count. With one replica, run and experimental_distribute_values_from_function
+    # return plain values, and they are that replica's values.
     one = mirrored.MirroredStrategy(["CPU:0"])
-    out = one.reduce("MEAN", mirrored.PerReplica([torch.tensor([3, 4], dtype=torch.int32)]))
-    assert out.dtype == torch.float64
-    # ...while a plain value is returned unchanged
+    from_run = one.run(lambda: torch.tensor([3, 4], dtype=torch.int32))
+    from_fn = one.experimental_distribute_values_from_function(lambda ctx: torch.tensor(3))
+    cases = [(from_run, [3.0, 4.0]), (from_fn, 3.0), (mirrored.PerReplica([from_run]), [3.0, 4.0]),
+             (mirrored.Mirrored([from_run]), [3.0, 4.0])]
+    for value, expected in cases:
+        out = one.reduce("MEAN", value)
+        assert out.dtype == torch.float64
+        assert out.tolist() == expected
+    assert one.reduce("SUM", from_run) is not from_run  # a copy, never an alias
+    # The default strategy returns a plain value as it is (SPEC section 2).
     plain = torch.tensor([3, 4], dtype=torch.int32)
-    assert one.reduce("MEAN", plain) is plain
+    assert mirrored.get_strategy().reduce("MEAN", plain) is plain
 
 
 def test_bool_rejected(two):
@@ -221,7 +231,7 @@ def test_result_never_aliases_an_input(two):
 
 
 def test_large_sums_match_sequential_reference():
-    # Big enough for the chunked path (several chunks) with 3 replicas.
+    # Large (pooled) results on 3 replicas: bitwise equal to adding in replica order.
     strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2"])
     gen = torch.Generator().manual_seed(0)
     parts = [torch.randn(700_001, generator=gen) for _ in range(3)]

@@ -61,8 +61,8 @@ def test_regroup_structure_mismatch_names_path_and_replicas():
     with pytest.raises(ValueError, match=r"at result\['x'\]\[1\], replica 0 returned a leaf "
                                          r"\(int\) but replica 2 returned a list of 2"):
         regroup([{"x": [1, 2]}, {"x": [3, 4]}, {"x": [5, [6, 7]]}], ("a", "b", "c"))
-    with pytest.raises(ValueError, match=r"at result\['y'\], replica 0 returned missing but "
-                                         r"replica 1 returned present"):
+    with pytest.raises(ValueError, match=r"at result\['y'\], replica 0 returned nothing but "
+                                         r"replica 1 returned a leaf \(int\)"):
         regroup([{"x": 1}, {"x": 1, "y": 2}], ("a", "b"))
 
 

@@ -22,7 +22,7 @@ from . import context, packing, pytree
 from .devices import Device
 from .options import CommunicationOptions
 from .reduce_op import ReduceOp
-from .reduction import copy_to, describe, mean_dtype, normalize_axis
+from .reduction import copy_to, describe, mean_dtype, normalize_axis, sum_dtype
 from .rendezvous import Arrival, Failure
 from .values import DistributedValues, regroup, select_replica
 
@@ -82,8 +82,17 @@ def _leaf_dims(title: str, tensor: torch.Tensor, axes: tuple[int, ...], where: s
                              f"{where} ({describe(tensor)}); valid axes are {-rank}..{rank - 1}")
         dims.append(a % rank)
     if len(set(dims)) != len(dims):
-        raise ValueError(f"{title}: axis {axes} names the same dimension twice (rank {rank})")
+        raise ValueError(f"{title}: axis {axes} names the same dimension twice for the rank-"
+                         f"{rank} value at {where}")
     return tuple(dims)
+
+
+def _refuse_in_merge_fn(strategy: Strategy, arrival: Arrival) -> None:
+    if strategy.num_replicas_in_sync > 1 and context.in_merge_fn_of_run():
+        raise RuntimeError(
+            f"{arrival.title} at {arrival.site} was called inside a merge_fn; collectives, and "
+            "backward passes through them, must run in the replicas, not in merge_fn"
+        )
 
 
 class _Collective:
@@ -97,6 +106,7 @@ class _Collective:
         self.site = site
 
     def exchange(self, arrival: Arrival) -> Any:
+        _refuse_in_merge_fn(self.strategy, arrival)
         if self.strategy.num_replicas_in_sync == 1:
             result = arrival.combine([arrival])[0]
             if isinstance(result, Failure):
@@ -122,14 +132,17 @@ class _AllReduce(_Collective):
 
     def forward(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         op, axes = self.op, self.axes
-        for t in tensors:
-            if t.dtype == torch.bool:
-                raise TypeError(f"{self.title} cannot reduce bool tensors; cast them first, e.g. "
-                                "x.to(torch.int32)")
-            if t.dtype.is_complex and op in (ReduceOp.MIN, ReduceOp.MAX):
-                raise TypeError(f"{self.title} is not defined for complex dtype {t.dtype}")
+        for k, t in enumerate(tensors):
+            if t.dtype == torch.bool or (t.dtype.is_complex and op in (ReduceOp.MIN,
+                                                                        ReduceOp.MAX)):
+                where = pytree.format_path(pytree.flatten_with_path(self.value)[0][k])
+                if t.dtype == torch.bool:
+                    raise TypeError(f"{self.title} cannot reduce bool tensors (at {where}); "
+                                    "cast them first, e.g. x.to(torch.int32)")
+                raise TypeError(f"{self.title} is not defined for complex dtype {t.dtype} "
+                                f"(at {where})")
         if axes is None:
-            partials = list(tensors)
+            partials = [t.to(sum_dtype(op, t.dtype)) for t in tensors]
             signature_shapes = tuple(tuple(t.shape) for t in tensors)
         else:
             paths = None
@@ -137,7 +150,8 @@ class _AllReduce(_Collective):
             shapes = []
             for k, t in enumerate(tensors):
                 if paths is None and (t.dim() == 0 or any(not -t.dim() <= a < t.dim()
-                                                          for a in axes)):
+                                                          for a in axes)
+                                      or len({a % t.dim() for a in axes}) != len(axes)):
                     paths = pytree.flatten_with_path(self.value)[0]
                 where = pytree.format_path(paths[k]) if paths is not None else "value"
                 dims = _leaf_dims(self.title, t, axes, where)
@@ -146,7 +160,9 @@ class _AllReduce(_Collective):
                 self.counts.append(count)
                 shapes.append(_masked_shape(t.shape, dims))
                 if op is ReduceOp.SUM or op is ReduceOp.MEAN:
-                    partials.append(t.sum(dim=dims, dtype=t.dtype) if dims else t)
+                    accumulate = sum_dtype(op, t.dtype)
+                    partials.append(t.sum(dim=dims, dtype=accumulate) if dims
+                                    else t.to(accumulate))
                 elif count == 0:
                     kept = [s for d, s in enumerate(t.shape) if d not in dims]
                     partials.append(torch.full(kept, _identity(op, t.dtype), dtype=t.dtype,
@@ -168,14 +184,14 @@ class _AllReduce(_Collective):
         reduced, self.global_counts, failure = self.exchange(arrival)
         if failure is not None:
             raise ValueError(failure)
-        return [self.finish(k, t) for k, t in enumerate(reduced)]
+        return [self.finish(k, t, tensors[k].dtype) for k, t in enumerate(reduced)]
 
-    def finish(self, k: int, total: torch.Tensor) -> torch.Tensor:
+    def finish(self, k: int, total: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.op is not ReduceOp.MEAN:
             return total
         divisor = self.strategy.num_replicas_in_sync if self.axes is None else (
             self.global_counts[k])
-        promote = mean_dtype(total.dtype)
+        promote = mean_dtype(dtype)
         return (total if promote == total.dtype else total.to(promote)).div_(divisor)
 
     def combine(self, arrivals: Sequence[Arrival]) -> list[Any]:
@@ -383,13 +399,16 @@ def merge_call(strategy: Strategy, replica_id: int, merge_fn: Callable[..., Any]
     def combine(arrivals: Sequence[Arrival]) -> list[Any]:
         n = len(arrivals)
         merged_args, merged_kwargs = regroup([a.payload[1:] for a in arrivals], devices)
-        with context.in_merge_fn(strategy):
+        # merge_fn sees the caller's device, whichever replica's thread runs it.
+        with context.in_merge_fn(strategy), torch.device(strategy._caller_device):
             result = arrivals[0].payload[0](strategy, *merged_args, **merged_kwargs)
         leaves, spec = pytree.flatten(result)
-        for leaf in leaves:
+        for k, leaf in enumerate(leaves):
             if isinstance(leaf, DistributedValues) and len(leaf.values) != n:
+                where = pytree.format_path(pytree.flatten_with_path(result)[0][k], "result")
                 raise ValueError(f"merge_fn returned a {type(leaf).__name__} with "
-                                 f"{len(leaf.values)} components for {n} replicas")
+                                 f"{len(leaf.values)} components at {where}, but there are "
+                                 f"{n} replicas")
         return [pytree.unflatten(spec, select_replica(r, leaves)) for r in range(n)]
 
     if strategy.num_replicas_in_sync == 1:
@@ -398,5 +417,6 @@ def merge_call(strategy: Strategy, replica_id: int, merge_fn: Callable[..., Any]
     arrival = Arrival(title="merge_call", site=site, signature=("merge_call",), structure=None,
                       leaves=(), value=None, payload=(merge_fn, tuple(args), kwargs),
                       combine=combine)
+    _refuse_in_merge_fn(strategy, arrival)
     return strategy._rendezvous.exchange(replica_id, arrival,
                                          strategy._communication_options.timeout_seconds)

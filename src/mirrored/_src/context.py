@@ -65,6 +65,8 @@ def enter_scope(strategy: Strategy) -> Iterator[Strategy]:
             "mixing strategies is not supported: leave the outer scope first"
         )
     replica_context = top.replica_context if top is not None else None
+    if replica_context is None and strategy is _default():
+        replica_context = strategy.default_replica_context  # as outside any scope
     _state.stack.append(_Frame(strategy, replica_context))
     try:
         yield strategy

@@ -25,7 +25,7 @@ from . import packing
 from .devices import Device, parse_device
 from .options import CommunicationOptions
 from .reduce_op import ReduceOp
-from .reduction import combine, copy_to, describe, mean_dtype
+from .reduction import combine, copy_to, describe, mean_dtype, sum_dtype
 from .values import DistributedValues, Mirrored, PerReplica
 
 __all__ = [
@@ -34,6 +34,10 @@ __all__ = [
     "ReductionToOneDevice",
     "resolve_destinations",
 ]
+
+
+# (pair index, components in the accumulation dtype, destinations, input dtype)
+_Item = tuple[int, list[torch.Tensor], tuple[Device, ...], torch.dtype]
 
 
 def _device_of_tensor(tensor: torch.Tensor) -> Device:
@@ -73,8 +77,17 @@ def resolve_destinations(destinations: Any) -> tuple[Device, ...]:
     )
 
 
-def _as_tensor(value: Any) -> torch.Tensor:
-    return value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+def _as_tensor(value: Any, where: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(
+            f"expected a tensor, Python number or NumPy array at {where}; got "
+            f"{type(value).__name__}. reduce_to and broadcast_to take one tensor per value: "
+            "reduce a nest leaf by leaf with batch_reduce_to"
+        ) from None
 
 
 def _wrap(outputs: Sequence[torch.Tensor], devices: Sequence[Device]) -> Any:
@@ -141,7 +154,7 @@ class CrossDeviceOps(abc.ABC):
             raise TypeError("value_destination_pairs must be a list of (value, destinations) "
                             f"pairs; got {type(value_destination_pairs).__name__}")
         results: list[Any] = [None] * len(value_destination_pairs)
-        fused: list[tuple[int, list[torch.Tensor], tuple[Device, ...]]] = []
+        fused: list[_Item] = []
         for index, pair in enumerate(value_destination_pairs):
             if not (isinstance(pair, tuple | list) and len(pair) == 2):
                 raise ValueError(
@@ -152,9 +165,11 @@ class CrossDeviceOps(abc.ABC):
             devices = resolve_destinations(destinations)
             where = f"value_destination_pairs[{index}]"
             if isinstance(value, PerReplica):
-                components = [_as_tensor(v) for v in value.values]
+                components = [_as_tensor(v, where) for v in value.values]
                 _check_alike(components, where)
-                fused.append((index, components, devices))
+                dtype = components[0].dtype
+                accumulate = sum_dtype(op, dtype)
+                fused.append((index, [c.to(accumulate) for c in components], devices, dtype))
                 continue
             if isinstance(value, Mirrored) or not isinstance(value, DistributedValues):
                 if op is ReduceOp.SUM:
@@ -164,8 +179,8 @@ class CrossDeviceOps(abc.ABC):
                         "once per replica. Pass a PerReplica value, or use MEAN, MIN or MAX"
                     )
                 first = value.values[0] if isinstance(value, Mirrored) else value
-                results[index] = _wrap(self.broadcast_to_devices(_as_tensor(first), devices),
-                                       devices)
+                results[index] = _wrap(
+                    self.broadcast_to_devices(_as_tensor(first, where), devices), devices)
         for index, outputs, devices in self._reduce_packed(op, fused, options.bytes_per_pack):
             results[index] = _wrap(outputs, devices)
         return results
@@ -179,17 +194,15 @@ class CrossDeviceOps(abc.ABC):
             tensor(1.)
         """
         devices = resolve_destinations(destinations)
-        return _wrap(self.broadcast_to_devices(_as_tensor(tensor), devices), devices)
+        return _wrap(self.broadcast_to_devices(_as_tensor(tensor, "tensor"), devices), devices)
 
-    def _reduce_packed(self, op: ReduceOp,
-                       items: Sequence[tuple[int, list[torch.Tensor], tuple[Device, ...]]],
-                       bytes_per_pack: int
+    def _reduce_packed(self, op: ReduceOp, items: Sequence[_Item], bytes_per_pack: int
                        ) -> list[tuple[int, list[torch.Tensor], tuple[Device, ...]]]:
         if not items:
             return []
-        firsts = [components[0] for _, components, _ in items]
+        firsts = [components[0] for _, components, _, _ in items]
         keys = [(t.dtype, tuple(c.device for c in components), devices)
-                for t, (_, components, devices) in zip(firsts, items, strict=True)]
+                for t, (_, components, devices, _) in zip(firsts, items, strict=True)]
         nbytes = [t.numel() * t.element_size() for t in firsts]
         base_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
         n = len(items[0][1])
@@ -203,13 +216,13 @@ class CrossDeviceOps(abc.ABC):
             for position, m in enumerate(members):
                 outputs = [parts[position] for parts in per_destination]
                 if op is ReduceOp.MEAN:
-                    outputs = [_mean(t, n) for t in outputs]
+                    outputs = [_mean(t, n, items[m][3]) for t in outputs]
                 out.append((items[m][0], outputs, devices))
         return out
 
 
-def _mean(total: torch.Tensor, n: int) -> torch.Tensor:
-    promote = mean_dtype(total.dtype)
+def _mean(total: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+    promote = mean_dtype(dtype)
     if promote == total.dtype:
         return total.div_(n)
     return total.to(promote).div_(n)

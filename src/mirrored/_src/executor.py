@@ -86,8 +86,8 @@ class _Task:
             if last:
                 self._done.release()
 
-    def wait(self) -> None:
-        self._done.acquire()
+    def wait(self, timeout: float = -1) -> bool:
+        return self._done.acquire(timeout=timeout)
 
 
 class _Worker:
@@ -134,7 +134,7 @@ class Executor:
         self._name = name
         self._workers: list[_Worker] = []
         self._run_lock = threading.Lock()
-        self._closed = False
+        self._closed: str | None = None
 
     @property
     def num_replicas(self) -> int:
@@ -142,16 +142,21 @@ class Executor:
 
     def run(self, call: Callable[[int], Any],
             on_exit: Callable[[int, BaseException | None], None] | None = None,
+            on_interrupt: Callable[[], None] | None = None,
             ) -> tuple[list[Any], list[ReplicaFailure]]:
         """Runs ``call(i)`` for ``i`` in ``range(N)`` and waits for all of them.
 
         ``on_exit(i, error)`` is called on replica ``i``'s thread right after its call
         returns or raises. Returns the results in replica order and the failures in
-        the order they happened; exceptions are not raised here.
+        the order they happened; exceptions are not raised here, except one that
+        interrupts the wait (KeyboardInterrupt): then ``on_interrupt()`` releases the
+        replicas from their collectives, and the executor waits for them to return
+        (or, after 10 s, refuses further runs) before re-raising, so no replica of an
+        interrupted run can leak into the next one.
         """
         with self._run_lock:
             if self._closed:
-                raise RuntimeError("this strategy's replica threads were closed; "
+                raise RuntimeError(f"this strategy's replica threads were {self._closed}; "
                                    "create a new strategy")
             n = self._n
             task = _Task(call, n, on_exit)
@@ -165,7 +170,14 @@ class Executor:
             for i in range(1, n):
                 if task.claim(i):
                     task.execute(i)
-            task.wait()
+            try:
+                task.wait()
+            except BaseException:
+                if on_interrupt is not None:
+                    on_interrupt()
+                if not task.wait(timeout=10.0):
+                    self._closed = "left running by an interrupted run"
+                raise
             for worker in self._workers:
                 worker.task = None
             return task.results, task.failures
@@ -178,7 +190,7 @@ class Executor:
         thread-local destructor.
         """
         with self._run_lock:
-            self._closed = True
+            self._closed = "closed"
             workers, self._workers = self._workers, []
             for worker in workers:
                 worker.publish(_STOP)

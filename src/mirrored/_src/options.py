@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import threading
 
 __all__ = ["DEFAULT_BYTES_PER_PACK", "CommunicationImplementation", "CommunicationOptions"]
 
@@ -81,10 +82,11 @@ class CommunicationOptions:
         timeout = self.timeout_seconds
         if timeout is not None:
             if (isinstance(timeout, bool) or not isinstance(timeout, int | float)
-                    or not math.isfinite(timeout) or timeout <= 0):
+                    or not math.isfinite(timeout) or not 0 < timeout <= threading.TIMEOUT_MAX):
                 raise ValueError(
                     "timeout_seconds must be None (no limit) or a finite number of seconds "
-                    f"> 0; got {type(timeout).__name__} {timeout!r}"
+                    f"> 0 and <= {threading.TIMEOUT_MAX:g}; got {type(timeout).__name__} "
+                    f"{timeout!r}"
                 )
             object.__setattr__(self, "timeout_seconds", float(timeout))
         object.__setattr__(self, "implementation",

@@ -44,13 +44,20 @@ def register_leaf_type(cls: type) -> None:
 
 
 def _register_dataclass(cls: type) -> None:
-    names = tuple(f.name for f in dataclasses.fields(cls) if f.init)
+    fields = dataclasses.fields(cls)
+    names = tuple(f.name for f in fields)
+    init = frozenset(f.name for f in fields if f.init)
 
     def flatten_fn(obj: Any) -> tuple[tuple[Any, ...], tuple[str, ...], tuple[str, ...]]:
         return tuple(getattr(obj, n) for n in names), names, names
 
     def unflatten_fn(meta: Any, children: Any) -> Any:
-        return cls(**dict(zip(meta, children, strict=True)))
+        values = dict(zip(meta, children, strict=True))
+        obj = cls(**{n: v for n, v in values.items() if n in init})
+        for name, value in values.items():  # fields with init=False keep their values
+            if name not in init:
+                object.__setattr__(obj, name, value)
+        return obj
 
     with _register_lock:
         if cls not in _registered:
@@ -135,8 +142,10 @@ def first_difference(a: Any, b: Any, root: str = "value") -> tuple[str, str, str
             if missing or extra:
                 key = (missing or extra)[0]
                 where = format_path((*path, key), root)
-                has_x = "present" if key in x_entries else "missing"
-                has_y = "present" if key in y_entries else "missing"
+                x_map = dict(zip(x_entries, x_children, strict=True))
+                y_map = dict(zip(y_entries, y_children, strict=True))
+                has_x = _node_description(x_map[key]) if key in x_map else "nothing"
+                has_y = _node_description(y_map[key]) if key in y_map else "nothing"
                 return (where, has_x, has_y)
             return here
         if x_meta != y_meta:

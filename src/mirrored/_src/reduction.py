@@ -31,6 +31,7 @@ __all__ = [
     "mean_dtype",
     "normalize_axis",
     "reduce_components",
+    "sum_dtype",
 ]
 
 _FLOAT32_MEAN = (torch.int8, torch.uint8, torch.int16)
@@ -59,6 +60,15 @@ def normalize_axis(axis: Any) -> tuple[int, ...] | None:
             raise TypeError(f"axis must contain only ints; got {type(a).__name__} {a!r} in "
                             f"{axis!r}")
     return axes
+
+
+def sum_dtype(op: ReduceOp, dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums are accumulated in: integer MEANs sum exactly in int64 before the
+    true division (no int8 overflow on the way to a float32 mean); everything else
+    keeps its dtype (SUM of int8 wraps, as it does in TF)."""
+    if op is ReduceOp.MEAN and not (dtype.is_floating_point or dtype.is_complex):
+        return torch.int64
+    return dtype
 
 
 def mean_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -116,7 +126,8 @@ def _normalize_dims(name: str, axes: tuple[int, ...], components: Sequence[torch
             )
         dims.append(a % rank)
     if len(set(dims)) != len(dims):
-        raise ValueError(f"{name}: axis {axes} names the same dimension twice (rank {rank})")
+        raise ValueError(f"{name}: axis {axes} names the same dimension twice for rank-{rank} "
+                         f"components at {where}")
     return tuple(dims)
 
 
@@ -203,7 +214,8 @@ def reduce_components(op: ReduceOp, components: Sequence[torch.Tensor],
             return combine(op, components, device)
         if promote == dtype:
             return combine(ReduceOp.SUM, components, device, divisor=len(components))
-        return combine(ReduceOp.SUM, components, device).to(promote).div_(len(components))
+        exact = [c.to(torch.int64) for c in components]
+        return combine(ReduceOp.SUM, exact, device).to(promote).div_(len(components))
 
     dims = _normalize_dims(name, axis, components, labels, where)
     kept = [tuple(s for d, s in enumerate(c.shape) if d not in dims) for c in components]
@@ -215,7 +227,9 @@ def reduce_components(op: ReduceOp, components: Sequence[torch.Tensor],
     counts = [math.prod(c.shape[d] for d in dims) for c in components]
 
     if op is ReduceOp.SUM or op is ReduceOp.MEAN:
-        partials = [c.sum(dim=dims, dtype=dtype) if dims else c for c in components]
+        accumulate = sum_dtype(op, dtype)
+        partials = [c.sum(dim=dims, dtype=accumulate) if dims else c.to(accumulate)
+                    for c in components]
         total = combine(ReduceOp.SUM, partials, device)
         if op is ReduceOp.SUM:
             return total

@@ -29,6 +29,13 @@ __all__ = ["Arrival", "Failure", "Rendezvous"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class _Raise:
+    """A result slot that re-raises an exception raised while combining."""
+
+    error: BaseException
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Failure:
     """A result slot that raises ``error_type(message)`` in its replica."""
 
@@ -85,8 +92,14 @@ def mismatch_message(arrivals: Sequence[Arrival], labels: Sequence[str]) -> str 
         found = pytree.first_difference(first.value, other.value)
         where = found[0] if found else "value"
         headline = f"replicas passed different structures (first difference at {where})"
-        lines = [f"  {label}: {a.title} of {_structure_at(a.value, where)} at {a.site}"
-                 for label, a in zip(labels, arrivals, strict=True)]
+        lines = []
+        for label, a in zip(labels, arrivals, strict=True):
+            mine = pytree.first_difference(first.value, a.value) if a is not first else None
+            if mine is not None and mine[0] == where:
+                shape = mine[2]
+            else:  # same structure as replica 0 there
+                shape = found[1] if found else "the same structure"
+            lines.append(f"  {label}: {a.title} at {a.site} has {shape} at {where}")
     else:
         index = next(k for k, (x, y) in enumerate(zip(first.leaves, other.leaves, strict=True))
                      if x != y) if first.leaves != other.leaves else None
@@ -96,11 +109,6 @@ def mismatch_message(arrivals: Sequence[Arrival], labels: Sequence[str]) -> str 
         lines = [f"  {label}: {_describe(a, index)}"
                  for label, a in zip(labels, arrivals, strict=True)]
     return f"{first.title} got mismatched calls: {headline}:\n" + "\n".join(lines)
-
-
-def _structure_at(value: Any, where: str) -> str:
-    leaves, _ = pytree.flatten(value)
-    return f"{type(value).__name__} with {len(leaves)} leaves"
 
 
 class Rendezvous:
@@ -126,6 +134,7 @@ class Rendezvous:
         self._exited = [False] * n
         self._broken: Failure | None = None
         self._active = False
+        self._completer = 0
 
     @property
     def active(self) -> bool:
@@ -133,8 +142,10 @@ class Rendezvous:
         return self._active
 
     def start(self) -> None:
-        """Resets the state for a new ``run``."""
+        """Resets the state for a new ``run`` (no replica of an earlier one is running)."""
         with self._lock:
+            for wake in self._wakeups:
+                wake.acquire(False)  # a wake-up nobody consumed must not leak into this run
             self._arrivals = [None] * self._n
             self._count = 0
             self._completing = False
@@ -176,28 +187,36 @@ class Rendezvous:
                              replica_id: arrival})
                 self._break(CollectiveMismatchError, message)
                 raise CollectiveMismatchError(message)
+            if self._completing and self._completer == threading.get_ident():
+                raise RuntimeError(
+                    f"{arrival.title} at {arrival.site} was called while combining another "
+                    "collective (from a merge_fn?); collectives, and backward passes through "
+                    "them, cannot run inside a merge_fn"
+                )
             self._arrivals[replica_id] = arrival
             self._count += 1
             last = self._count == self._n
             if last:
                 arrivals: list[Arrival] = list(self._arrivals)  # type: ignore[arg-type]
                 self._completing = True
+                self._completer = threading.get_ident()
         if not last:
             return self._wait(replica_id, arrival, timeout)
         return self._complete(replica_id, arrivals)
 
     def _complete(self, replica_id: int, arrivals: list[Arrival]) -> Any:
-        message = mismatch_message(arrivals, self._labels)
-        if message is not None:
-            results: Sequence[Any] = [Failure(CollectiveMismatchError, message)] * self._n
-        else:
-            try:
+        message: str | None = None
+        try:
+            message = mismatch_message(arrivals, self._labels)
+            if message is not None:
+                results: Sequence[Any] = [Failure(CollectiveMismatchError, message)] * self._n
+            else:
                 results = arrivals[0].combine(arrivals)
-            except BaseException as error:  # delivered to replica 0, whose call it was
-                aborted = Failure(ReplicaAbortedError, (
-                    f"{arrivals[0].title} at {arrivals[0].site} failed in replica 0 with "
-                    f"{type(error).__name__}: {error}"))
-                results = [error, *([aborted] * (self._n - 1))]
+        except BaseException as error:  # delivered to replica 0, whose call it was
+            aborted = Failure(ReplicaAbortedError, (
+                f"{arrivals[0].title} at {arrivals[0].site} failed in replica 0 with "
+                f"{type(error).__name__}: {error}"))
+            results = [_Raise(error), *([aborted] * (self._n - 1))]
         with self._lock:
             for j in range(self._n):
                 self._mailbox[j] = results[j]
@@ -214,10 +233,12 @@ class Rendezvous:
 
     def _wait(self, replica_id: int, arrival: Arrival, timeout: float | None) -> Any:
         wake = self._wakeups[replica_id]
-        if timeout is None:
-            wake.acquire()
-            return self._take(replica_id)
-        if wake.acquire(timeout=timeout):
+        try:
+            woken = wake.acquire() if timeout is None else wake.acquire(timeout=timeout)
+        except BaseException:  # KeyboardInterrupt: leave the slot as if never arrived
+            self._abandon(replica_id)
+            raise
+        if woken:
             return self._take(replica_id)
         with self._lock:
             if not (self._completing or self._delivered[replica_id]
@@ -229,8 +250,30 @@ class Rendezvous:
                     f"{len(missing)} of {self._n} replicas did not arrive\n"
                     + "\n".join(f"  {self._labels[j]}: arrived" for j in arrived) + "\n"
                     + "\n".join(f"  {self._labels[j]}: missing" for j in missing)))
-        wake.acquire()  # released by the completing replica or by _break
+        try:
+            wake.acquire()  # released at once by _break, or soon by the completing replica
+        except BaseException:
+            self._abandon(replica_id)
+            raise
         return self._take(replica_id)
+
+    def _abandon(self, replica_id: int) -> None:
+        """Withdraws a waiting replica that stops waiting because of an exception, or
+        consumes the wake-up it was already given, so no lock is left released."""
+        with self._lock:
+            if self._arrivals[replica_id] is not None and not self._completing:
+                self._arrivals[replica_id] = None
+                self._count -= 1
+                return
+        self._wakeups[replica_id].acquire()
+        with self._lock:
+            self._mailbox[replica_id] = None
+            self._delivered[replica_id] = False
+
+    def abort(self, message: str) -> None:
+        """Breaks the current run's rendezvous (``run`` was interrupted)."""
+        with self._lock:
+            self._break(ReplicaAbortedError, message)
 
     def _take(self, replica_id: int) -> Any:
         with self._lock:
@@ -242,8 +285,8 @@ class Rendezvous:
                 result = self._broken
         if isinstance(result, Failure):
             raise result.error_type(result.message)
-        if isinstance(result, BaseException):
-            raise result
+        if isinstance(result, _Raise):
+            raise result.error
         return result
 
     def _break(self, error_type: type[BaseException], message: str) -> None:

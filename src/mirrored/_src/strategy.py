@@ -126,13 +126,19 @@ class StrategyExtended:
         if not isinstance(value_destination_pairs, tuple | list):
             raise TypeError("value_destination_pairs must be a list of (value, destinations) "
                             f"pairs; got {type(value_destination_pairs).__name__}")
-        for index, pair in enumerate(value_destination_pairs):
-            if isinstance(pair, tuple | list) and len(pair) == 2 and isinstance(
-                    pair[0], DistributedValues):
-                strategy._check_components(pair[0], f"value_destination_pairs[{index}]")
+        pairs = list(value_destination_pairs)
+        for index, pair in enumerate(pairs):
+            if not (isinstance(pair, tuple | list) and len(pair) == 2):
+                continue  # batch_reduce reports it
+            value = pair[0]
+            if isinstance(value, DistributedValues):
+                strategy._check_components(value, f"value_destination_pairs[{index}]")
+            if strategy.num_replicas_in_sync == 1 and not isinstance(value, PerReplica):
+                # With one replica every value is that replica's value.
+                first = value.values[0] if isinstance(value, Mirrored) else value
+                pairs[index] = (PerReplica([first], strategy._device_names), pair[1])
         merged = strategy._communication_options.merge(options)
-        return strategy._cross_device_ops_for(merged).batch_reduce(
-            reduce_op, value_destination_pairs, merged)
+        return strategy._cross_device_ops_for(merged).batch_reduce(reduce_op, pairs, merged)
 
     def broadcast_to(self, tensor: Any, destinations: Any) -> Any:
         """Copies ``tensor`` to each destination device (cross-replica context).
@@ -181,11 +187,14 @@ class Strategy:
         self._replica_contexts = tuple(
             ReplicaContext(self, i, d.name) for i, d in enumerate(self._devices))
         self._extended = StrategyExtended(self)
+        self._follows_current_device = False
         self._communication_options = communication_options
         self._reference_ops = ReductionToOneDevice()
         self._cross_device_ops = cross_device_ops or self._cross_device_ops_for(
             communication_options, default=True)
         self._rendezvous = Rendezvous(self._labels)
+        self._run_lock = threading.Lock()
+        self._caller_device = torch.device("cpu")  # the device of the run in progress
         self._executor = Executor(len(self._devices), name=type(self).__name__)
         weakref.finalize(self, self._executor.close)
 
@@ -219,7 +228,14 @@ class Strategy:
         return context.enter_scope(self)
 
     def close(self) -> None:
-        """Stops the replica threads; also done when the strategy is garbage collected."""
+        """Stops the replica threads; also done when the strategy is garbage collected.
+
+        Raises:
+            RuntimeError: called inside ``run`` (a replica or a merge_fn).
+        """
+        if context.current_replica_context() is not None or context.in_merge_fn_of_run():
+            raise RuntimeError(f"{type(self).__name__}.close cannot be called inside run (a "
+                               "replica or a merge_fn); call it after run returns")
         self._executor.close()
 
     def __repr__(self) -> str:
@@ -331,7 +347,10 @@ class Strategy:
         else:
             distributed = False
         contexts = self._replica_contexts
-        grad_enabled = torch.is_grad_enabled()
+        if self._follows_current_device:  # the default strategy: fn runs right here
+            with context.in_replica(self, contexts[0]):
+                return fn(*args, **kwargs)
+        caller_state = _thread_state()
         caller_device = current_device()
         torch_devices = [d.torch_device for d in self._devices]
 
@@ -342,30 +361,41 @@ class Strategy:
                 a, k = args, kwargs
             with context.in_replica(self, contexts[i]):
                 device = torch_devices[i]
-                if device != caller_device or device.type != "cpu":
-                    with torch.device(device), _cuda_device(device), \
-                            torch.set_grad_enabled(grad_enabled):
-                        return fn(*a, **k)
-                if torch.is_grad_enabled() != grad_enabled:
-                    with torch.set_grad_enabled(grad_enabled):
-                        return fn(*a, **k)
-                return fn(*a, **k)
+                if device == caller_device and device.type == "cpu" and (
+                        _thread_state() == caller_state):
+                    return fn(*a, **k)  # the common case: nothing to set up
+                with contextlib.ExitStack() as stack:
+                    if device != caller_device or device.type != "cpu":
+                        stack.enter_context(torch.device(device))
+                        stack.enter_context(_cuda_device(device))
+                    _enter_thread_state(stack, caller_state)
+                    return fn(*a, **k)
 
         if len(self._devices) == 1:
-            return call(0)
+            try:
+                return call(0)
+            except Exception as error:
+                raise self._failure_error([ReplicaFailure(0, error)]) from None
         rendezvous = self._rendezvous
-        rendezvous.start()
-        try:
-            results, failures = self._executor.run(call, rendezvous.replica_exited)
-        finally:
-            rendezvous.finish()
+        with self._run_lock:  # one run at a time; concurrent callers queue here
+            self._caller_device = caller_device
+            rendezvous.start()
+            try:
+                results, failures = self._executor.run(
+                    call, rendezvous.replica_exited,
+                    lambda: rendezvous.abort("released because strategy.run was interrupted"))
+            finally:
+                rendezvous.finish()
         if failures:
             raise self._failure_error(failures)
         return regroup(results, self._device_names)
 
     def _failure_error(self, failures: Sequence[ReplicaFailure]) -> BaseException:
-        # The root cause, not a replica released because of it; ties by replica id.
-        causes = [f for f in failures if not isinstance(f.error, ReplicaAbortedError)]
+        # An interrupt first; then the root cause, not a replica released because of
+        # it; ties by replica id.
+        interrupts = [f for f in failures if not isinstance(f.error, Exception)]
+        causes = interrupts or [f for f in failures
+                                if not isinstance(f.error, ReplicaAbortedError)]
         failure = min(causes or failures, key=lambda f: f.replica_id)
         error = failure.error
         note = (f"raised in replica {failure.replica_id} "
@@ -424,11 +454,14 @@ class Strategy:
             components = [_as_tensor(v, where, "reduce") for v in leaf.values]
             return reduce_components(op, components, axes, device, labels=self._labels,
                                      where=where)
+        kind = type(leaf).__name__
         if isinstance(leaf, Mirrored):
             self._check_components(leaf, where)
             leaf = leaf.values[0]
         tensor = _as_tensor(leaf, where, "reduce")
-        if axes is not None:
+        if axes is not None or (n == 1 and not self._follows_current_device):
+            # With an axis the value counts as given to every replica; with one
+            # replica it *is* that replica's value (so MEAN promotes, as for PerReplica).
             return reduce_components(op, [tensor] * n, axes, device, labels=self._labels,
                                      where=where)
         if tensor.dtype == torch.bool:
@@ -437,7 +470,7 @@ class Strategy:
         if op is ReduceOp.SUM and n > 1:
             raise ValueError(
                 f"reduce(SUM) got a value that is not per-replica at {where} "
-                f"({type(leaf).__name__}); a value that is not per-replica cannot be summed "
+                f"({kind}); a value that is not per-replica cannot be summed "
                 f"across {n} replicas; wrap it with "
                 "experimental_distribute_values_from_function or run"
             )
@@ -531,6 +564,31 @@ class Strategy:
         return regroup(values, self._device_names, collapse_identical=False)
 
 
+_ThreadState = tuple[bool, bool, bool, torch.dtype, bool, torch.dtype]
+
+
+def _thread_state() -> _ThreadState:
+    """Torch's thread-local modes that a replica thread must share with the caller:
+    grad mode, inference mode, and CPU and CUDA autocast."""
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+            torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+            torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+
+
+def _enter_thread_state(stack: contextlib.ExitStack, state: _ThreadState) -> None:
+    grad, inference, cpu_autocast, cpu_dtype, cuda_autocast, cuda_dtype = state
+    if torch.is_inference_mode_enabled() != inference:
+        stack.enter_context(torch.inference_mode(inference))
+    if torch.is_grad_enabled() != grad:
+        stack.enter_context(torch.set_grad_enabled(grad))
+    if (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")) != (
+            cpu_autocast, cpu_dtype):
+        stack.enter_context(torch.autocast("cpu", dtype=cpu_dtype, enabled=cpu_autocast))
+    if (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")) != (
+            cuda_autocast, cuda_dtype):
+        stack.enter_context(torch.autocast("cuda", dtype=cuda_dtype, enabled=cuda_autocast))
+
+
 @contextlib.contextmanager
 def _cuda_device(device: torch.device) -> Iterator[None]:
     if device.type == "cuda":
@@ -594,10 +652,15 @@ class OneDeviceStrategy(Strategy):
 
 @final
 class _DefaultStrategy(Strategy):
-    """What `get_strategy` returns outside any scope: one replica on the host CPU."""
+    """What `get_strategy` returns outside any scope: one replica on the current device.
+
+    ``run`` calls ``fn`` directly, on the caller's thread and device; ``reduce`` of a
+    plain value returns it (MEAN, MIN, MAX and SUM alike, since there is one replica).
+    Its nominal device name is the host CPU's."""
 
     def __init__(self) -> None:
         super().__init__((parse_device("CPU:0"),))
+        self._follows_current_device = True
 
     def __repr__(self) -> str:
         return "<default strategy>"

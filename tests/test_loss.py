@@ -52,7 +52,7 @@ def test_errors(two):
     with pytest.raises(ValueError, match=r"expects per-example losses with a batch dimension; "
                                          r"got a rank-0 tensor"):
         two.run(mirrored.compute_average_loss, args=(torch.tensor(1.0),))
-    with pytest.raises(ValueError, match=r"global_batch_size must be a positive int"):
+    with pytest.raises(ValueError, match=r"global_batch_size must be a positive integer"):
         two.run(lambda: mirrored.compute_average_loss(torch.ones(2), global_batch_size=0))
     with two.scope(), pytest.raises(RuntimeError, match=r"must be called in replica context"):
         mirrored.compute_average_loss(torch.ones(2))
@@ -60,3 +60,15 @@ def test_errors(two):
 
 def test_outside_any_strategy_is_the_local_mean():
     assert mirrored.compute_average_loss(torch.tensor([1.0, 3.0])).item() == 2.0
+
+
+def test_global_batch_size_accepts_integer_types(two):
+    import numpy as np
+
+    v = mirrored.PerReplica([torch.tensor([1.0, 2.0]), torch.tensor([3.0])])
+    for size in [4, np.int64(4), torch.tensor(4)]:
+        out = two.run(lambda x, s=size: mirrored.compute_average_loss(x, global_batch_size=s),
+                      args=(v,))
+        assert [t.item() for t in out.values] == [0.75, 0.75]
+    with pytest.raises(ValueError, match=r"positive integer"):
+        two.run(lambda: mirrored.compute_average_loss(torch.ones(1), global_batch_size=2.0))

@@ -233,3 +233,18 @@ def test_dataclass_fields_without_init_survive(two):
     assert out.x.tolist() == [1.0, 2.0]
     seen = two.run(lambda v: v.n, args=(value,))
     assert seen == 5
+
+
+def test_axis_spellings_are_the_same_call(two):
+    def step():
+        axis = 0 if rid() == 0 else (0,)
+        return mirrored.get_replica_context().all_reduce("SUM", torch.ones(rid() + 1), axis=axis)
+
+    assert [t.item() for t in two.run(step).values] == [3.0, 3.0]
+
+
+def test_default_strategy_collectives_keep_the_value_device():
+    ctx = mirrored.get_replica_context()
+    with torch.device("meta"):
+        assert ctx.all_reduce("SUM", torch.zeros(1)).device == torch.device("meta")
+        assert ctx.all_gather(torch.zeros(1), axis=0).device == torch.device("meta")

@@ -198,6 +198,11 @@ class _AllReduce(_Collective):
         n = len(arrivals)
         partials = [a.payload[0] for a in arrivals]
         first = partials[0]
+        if n == 1:  # one replica: a copy on the value's own device (the default strategy's
+            # device is whatever the current one is, so no CrossDeviceOps is involved)
+            local_counts: list[int] = list(arrivals[0].payload[1])
+            return [([p.clone() for p in first], local_counts,
+                     self._no_elements(local_counts))]
         devices: Sequence[Device] = self.strategy._devices
         ops = self.strategy._cross_device_ops_for(self.options)
         base_op = ReduceOp.SUM if self.op is ReduceOp.MEAN else self.op
@@ -212,15 +217,18 @@ class _AllReduce(_Collective):
                 for m, part in zip(members, packing.unpack(reduced[r], like), strict=True):
                     outputs[r][m] = part
         counts: list[int] = []
-        failure = None
         if self.axes is not None:
             counts = [sum(a.payload[1][k] for a in arrivals) for k in range(len(first))]
-            if self.op in (ReduceOp.MIN, ReduceOp.MAX) and 0 in counts:
-                k = counts.index(0)
-                where = pytree.format_path(pytree.flatten_with_path(self.value)[0][k])
-                failure = (f"{self.title} has no elements to reduce at {where}: every replica's "
-                           "value is empty along the axis")
+        failure = self._no_elements(counts)
         return [(outputs[r], counts, failure) for r in range(n)]
+
+    def _no_elements(self, counts: list[int]) -> str | None:
+        """The message for MIN/MAX over an axis where no replica has an element."""
+        if self.axes is None or self.op not in (ReduceOp.MIN, ReduceOp.MAX) or 0 not in counts:
+            return None
+        where = pytree.format_path(pytree.flatten_with_path(self.value)[0][counts.index(0)])
+        return (f"{self.title} has no elements to reduce at {where}: every replica's value is "
+                "empty along the axis")
 
 
 class _AllReduceFunction(torch.autograd.Function):
@@ -290,9 +298,9 @@ def all_reduce(strategy: Strategy, replica_id: int, reduce_op: ReduceOp | str, v
     op = ReduceOp.from_value(reduce_op)
     axes = normalize_axis(axis)
     merged = strategy._communication_options.merge(options)
+    # axis=0 and axis=(0,) are the same call, so they print (and compare) the same.
     axis_text = "" if axes is None else (
-        f", axis={axes[0]}" if len(axes) == 1 and not isinstance(axis, tuple | list)
-        else f", axis={axes}")
+        f", axis={axes[0]}" if len(axes) == 1 else f", axis={axes}")
     title = f"all_reduce({op.name}{axis_text})"
     tensors, spec = _tensors(value, title)
     job = _AllReduce(strategy, replica_id, merged, site, op, axes, value, title, spec)
@@ -337,6 +345,10 @@ class _AllGather(_Collective):
 
     def combine(self, arrivals: Sequence[Arrival]) -> list[Any]:
         n = len(arrivals)
+        if n == 1:  # a copy on the value's own device
+            payload = arrivals[0].payload
+            return [([t.clone() for t in payload], [(0, t.shape[d]) for t, d in
+                                                    zip(payload, self.dims, strict=True)])]
         devices = self.strategy._devices
         outputs: list[list[torch.Tensor]] = [[] for _ in range(n)]
         offsets: list[list[tuple[int, int]]] = [[] for _ in range(n)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
@@ -54,11 +55,15 @@ def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = 
         loss = loss.to(torch.get_default_dtype())
     total = loss.sum()
     if global_batch_size is not None:
-        if (isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int)
-                or global_batch_size <= 0):
-            raise ValueError("global_batch_size must be a positive int (or None to count "
-                             f"the examples); got {global_batch_size!r}")
-        return total / global_batch_size
+        size = global_batch_size
+        if isinstance(size, torch.Tensor) and size.dim() == 0 and not (
+                size.is_floating_point() or size.dtype == torch.bool):
+            size = int(size.item())
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size <= 0:
+            raise ValueError("global_batch_size must be a positive integer (int, NumPy integer "
+                             f"or integer 0-d tensor), or None to count the examples; got "
+                             f"{global_batch_size!r}")
+        return total / int(size)
     count = torch.tensor(loss.shape[0], dtype=torch.int64, device=loss.device)
     strategy = replica.strategy
     global_count = collectives.all_reduce(strategy, replica.replica_id_in_sync_group, "SUM",

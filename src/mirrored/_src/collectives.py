@@ -142,7 +142,10 @@ class _AllReduce(_Collective):
                 raise TypeError(f"{self.title} is not defined for complex dtype {t.dtype} "
                                 f"(at {where})")
         if axes is None:
-            partials = [t.to(sum_dtype(op, t.dtype)) for t in tensors]
+            partials = list(tensors)
+            if op is ReduceOp.MEAN:  # integers sum exactly in int64
+                partials = [t if t.is_floating_point() else t.to(sum_dtype(op, t.dtype))
+                            for t in partials]
             signature_shapes = tuple(tuple(t.shape) for t in tensors)
         else:
             paths = None
@@ -207,7 +210,7 @@ class _AllReduce(_Collective):
         ops = self.strategy._cross_device_ops_for(self.options)
         base_op = ReduceOp.SUM if self.op is ReduceOp.MEAN else self.op
         outputs: list[list[Any]] = [[None] * len(first) for _ in range(n)]
-        keys = [(t.dtype, tuple(p[k].device for p in partials)) for k, t in enumerate(first)]
+        keys = [(t.dtype, t.device) for t in first]  # replica i's leaf k sits on its device
         nbytes = [t.numel() * t.element_size() for t in first]
         for members in packing.plan(nbytes, keys, self.options.bytes_per_pack):
             flats = [packing.pack([p[m] for m in members]) for p in partials]

@@ -32,6 +32,8 @@ def plan(nbytes: Sequence[int], keys: Sequence[Hashable], bytes_per_pack: int
         >>> plan([4, 4, 8, 4], ["f", "f", "f", "i"], bytes_per_pack=8)
         [[0, 1], [2], [3]]
     """
+    if len(set(keys)) <= 1 and (bytes_per_pack == 0 or sum(nbytes) <= bytes_per_pack):
+        return [list(range(len(nbytes)))] if nbytes else []  # the common case: one pack
     open_packs: dict[Hashable, list[int]] = {}
     open_bytes: dict[Hashable, int] = {}
     packs: list[list[int]] = []

@@ -183,6 +183,7 @@ class Strategy:
                             f"{type(communication_options).__name__}")
         self._devices = tuple(devices)
         self._device_names = tuple(d.name for d in self._devices)
+        self._torch_devices = tuple(d.torch_device for d in self._devices)
         self._labels = tuple(f"replica {i} ({d.short_name})" for i, d in enumerate(self._devices))
         self._replica_contexts = tuple(
             ReplicaContext(self, i, d.name) for i, d in enumerate(self._devices))
@@ -351,8 +352,9 @@ class Strategy:
             with context.in_replica(self, contexts[0]):
                 return fn(*args, **kwargs)
         caller_state = _thread_state()
+        caller_thread = threading.get_ident()
         caller_device = current_device()
-        torch_devices = [d.torch_device for d in self._devices]
+        torch_devices = self._torch_devices
 
         def call(i: int) -> Any:
             if distributed:
@@ -362,7 +364,8 @@ class Strategy:
             with context.in_replica(self, contexts[i]):
                 device = torch_devices[i]
                 if device == caller_device and device.type == "cpu" and (
-                        _thread_state() == caller_state):
+                        threading.get_ident() == caller_thread
+                        or _thread_state() == caller_state):
                     return fn(*a, **k)  # the common case: nothing to set up
                 with contextlib.ExitStack() as stack:
                     if device != caller_device or device.type != "cpu":

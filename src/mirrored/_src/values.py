@@ -74,6 +74,14 @@ class DistributedValues(Generic[T]):
         self._values: tuple[T, ...] = values
         self._devices: tuple[str, ...] = names
 
+    @classmethod
+    def _from_trusted(cls, values: tuple[T, ...], devices: tuple[str, ...]) -> Any:
+        """Builds one from already checked components and canonical device names."""
+        made = object.__new__(cls)
+        made._values = values
+        made._devices = devices
+        return made
+
     @property
     def values(self) -> tuple[T, ...]:
         """The components, one per local replica, in replica order."""
@@ -169,11 +177,12 @@ def regroup(results: Sequence[Any], devices: Sequence[str], *,
                 f"{got0} but replica {i} returned {got_i}; every replica must return the "
                 "same nest"
             )
+    names = tuple(parse_device(d).name for d in devices)
     grouped = []
-    for j, first in enumerate(leaves0):
-        components = [f[0][j] for f in flat]
+    for components in zip(*(f[0] for f in flat), strict=True):
+        first = components[0]
         if collapse_identical and all(c is first for c in components):
             grouped.append(first)
         else:
-            grouped.append(PerReplica(components, devices))
+            grouped.append(PerReplica._from_trusted(components, names))
     return pytree.unflatten(spec0, grouped)

@@ -183,8 +183,8 @@ def test_error_messages_name_what_and_where(two):
     with pytest.raises(ValueError, match=r"not per-replica at value \(Mirrored\)"):
         two.reduce("SUM", m)
     v = mirrored.PerReplica([{"a": 1}, {"a": 2}])
-    with pytest.raises(TypeError, match=r"expected a tensor, Python number or NumPy array at "
-                                        r"value_destination_pairs\[0\]; got dict"):
+    with pytest.raises(TypeError, match=r"reduce_to expects tensors, Python numbers or NumPy "
+                                        r"arrays; got dict at value_destination_pairs\[0\]"):
         two.extended.reduce_to("MEAN", v, "CPU:0")
 
     def bool_leaf():

@@ -24,7 +24,7 @@ from .options import CommunicationOptions
 from .reduce_op import ReduceOp
 from .reduction import copy_to, describe, mean_dtype, normalize_axis, sum_dtype
 from .rendezvous import Arrival, Failure
-from .values import DistributedValues, regroup, select_replica
+from .values import DistributedValues, regroup, select_replica, to_tensor
 
 if TYPE_CHECKING:
     from .strategy import Strategy
@@ -49,11 +49,7 @@ def _tensors(value: Any, title: str) -> tuple[list[torch.Tensor], pytree.PyTreeS
                     f"{title} takes this replica's own tensors; got a {type(leaf).__name__} at "
                     f"{where}. Pass values from inside strategy.run"
                 )
-            try:
-                leaf = torch.as_tensor(leaf)
-            except (TypeError, ValueError, RuntimeError):
-                raise TypeError(f"{title} expects tensors, Python numbers or NumPy arrays; got "
-                                f"{type(leaf).__name__} at {where}") from None
+            leaf = to_tensor(leaf, where, title)
         tensors.append(leaf)
     return tensors, spec
 

@@ -26,7 +26,7 @@ from .devices import Device, parse_device
 from .options import CommunicationOptions
 from .reduce_op import ReduceOp
 from .reduction import combine, copy_to, describe, mean_dtype, sum_dtype
-from .values import DistributedValues, Mirrored, PerReplica
+from .values import DistributedValues, Mirrored, PerReplica, to_tensor
 
 __all__ = [
     "CrossDeviceOps",
@@ -77,17 +77,8 @@ def resolve_destinations(destinations: Any) -> tuple[Device, ...]:
     )
 
 
-def _as_tensor(value: Any, where: str) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value
-    try:
-        return torch.as_tensor(value)
-    except (TypeError, ValueError, RuntimeError):
-        raise TypeError(
-            f"expected a tensor, Python number or NumPy array at {where}; got "
-            f"{type(value).__name__}. reduce_to and broadcast_to take one tensor per value: "
-            "reduce a nest leaf by leaf with batch_reduce_to"
-        ) from None
+_NEST_HINT = (". reduce_to and broadcast_to take one tensor per value: reduce a nest leaf "
+              "by leaf with batch_reduce_to")
 
 
 def _wrap(outputs: Sequence[torch.Tensor], devices: Sequence[Device]) -> Any:
@@ -165,7 +156,7 @@ class CrossDeviceOps(abc.ABC):
             devices = resolve_destinations(destinations)
             where = f"value_destination_pairs[{index}]"
             if isinstance(value, PerReplica):
-                components = [_as_tensor(v, where) for v in value.values]
+                components = [to_tensor(v, where, "reduce_to", _NEST_HINT) for v in value.values]
                 _check_alike(components, where)
                 dtype = components[0].dtype
                 accumulate = sum_dtype(op, dtype)
@@ -179,8 +170,8 @@ class CrossDeviceOps(abc.ABC):
                         "once per replica. Pass a PerReplica value, or use MEAN, MIN or MAX"
                     )
                 first = value.values[0] if isinstance(value, Mirrored) else value
-                results[index] = _wrap(
-                    self.broadcast_to_devices(_as_tensor(first, where), devices), devices)
+                tensor = to_tensor(first, where, "reduce_to", _NEST_HINT)
+                results[index] = _wrap(self.broadcast_to_devices(tensor, devices), devices)
         for index, outputs, devices in self._reduce_packed(op, fused, options.bytes_per_pack):
             results[index] = _wrap(outputs, devices)
         return results
@@ -194,7 +185,8 @@ class CrossDeviceOps(abc.ABC):
             tensor(1.)
         """
         devices = resolve_destinations(destinations)
-        return _wrap(self.broadcast_to_devices(_as_tensor(tensor, "tensor"), devices), devices)
+        value = to_tensor(tensor, "tensor", "broadcast_to")
+        return _wrap(self.broadcast_to_devices(value, devices), devices)
 
     def _reduce_packed(self, op: ReduceOp, items: Sequence[_Item], bytes_per_pack: int
                        ) -> list[tuple[int, list[torch.Tensor], tuple[Device, ...]]]:

@@ -27,7 +27,15 @@ from .reduce_op import ReduceOp
 from .reduction import gather_components, normalize_axis, reduce_components
 from .rendezvous import Rendezvous
 from .replica_context import ReplicaContext
-from .values import DistributedValues, Mirrored, PerReplica, ValueContext, regroup, select_replica
+from .values import (
+    DistributedValues,
+    Mirrored,
+    PerReplica,
+    ValueContext,
+    regroup,
+    select_replica,
+    to_tensor,
+)
 
 __all__ = [
     "MirroredStrategy",
@@ -36,18 +44,6 @@ __all__ = [
     "StrategyExtended",
     "default_strategy",
 ]
-
-
-def _as_tensor(value: Any, where: str, what: str) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value
-    try:
-        return torch.as_tensor(value)
-    except (TypeError, ValueError, RuntimeError):
-        raise TypeError(
-            f"{what} expects tensors, Python numbers or NumPy arrays; got "
-            f"{type(value).__name__} at {where}"
-        ) from None
 
 
 class StrategyExtended:
@@ -454,14 +450,14 @@ class Strategy:
         n = len(self._devices)
         if isinstance(leaf, PerReplica):
             self._check_components(leaf, where)
-            components = [_as_tensor(v, where, "reduce") for v in leaf.values]
+            components = [to_tensor(v, where, "reduce") for v in leaf.values]
             return reduce_components(op, components, axes, device, labels=self._labels,
                                      where=where)
         kind = type(leaf).__name__
         if isinstance(leaf, Mirrored):
             self._check_components(leaf, where)
             leaf = leaf.values[0]
-        tensor = _as_tensor(leaf, where, "reduce")
+        tensor = to_tensor(leaf, where, "reduce")
         if axes is not None or (n == 1 and not self._follows_current_device):
             # With an axis the value counts as given to every replica; with one
             # replica it *is* that replica's value (so MEAN promotes, as for PerReplica).
@@ -508,7 +504,7 @@ class Strategy:
             where = pytree.format_path(path)
             if isinstance(leaf, DistributedValues):
                 self._check_components(leaf, where)
-                components = [_as_tensor(v, where, "gather") for v in leaf.values]
+                components = [to_tensor(v, where, "gather") for v in leaf.values]
                 out.append(gather_components(components, axis, device, labels=self._labels,
                                              where=where))
             else:

@@ -25,6 +25,7 @@ __all__ = [
     "ValueContext",
     "regroup",
     "select_replica",
+    "to_tensor",
 ]
 
 T = TypeVar("T")
@@ -145,6 +146,23 @@ class ValueContext:
     num_replicas_in_sync: int = 1
 
 
+def to_tensor(value: Any, where: str, what: str, hint: str = "") -> torch.Tensor:
+    """``value`` as a tensor (Python numbers and NumPy arrays are converted).
+
+    Raises:
+        TypeError: naming ``what`` was called, the type got, and ``where`` it was.
+    """
+    if isinstance(value, torch.Tensor):
+        return value
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(
+            f"{what} expects tensors, Python numbers or NumPy arrays; got "
+            f"{type(value).__name__} at {where}{hint}"
+        ) from None
+
+
 def select_replica(index: int, leaves: Sequence[Any]) -> list[Any]:
     """Component ``index`` of each distributed leaf; other leaves pass through."""
     return [
@@ -166,7 +184,7 @@ def regroup(results: Sequence[Any], devices: Sequence[str], *,
     if len(results) == 1:
         return results[0]
     flat = [pytree.flatten(r) for r in results]
-    leaves0, spec0 = flat[0]
+    spec0 = flat[0][1]
     for i in range(1, len(flat)):
         if flat[i][1] != spec0:
             diff = pytree.first_difference(results[0], results[i], "result")

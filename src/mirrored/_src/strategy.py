@@ -374,7 +374,8 @@ class Strategy:
             try:
                 return call(0)
             except Exception as error:
-                raise self._failure_error([ReplicaFailure(0, error)]) from None
+                self._failure_error([ReplicaFailure(0, error)])  # adds the replica note
+                raise
         rendezvous = self._rendezvous
         with self._run_lock:  # one run at a time; concurrent callers queue here
             self._caller_device = caller_device

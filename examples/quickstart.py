@@ -36,3 +36,15 @@ try:
     strategy.reduce("MEAN", per_example, axis=None)
 except ValueError as error:
     print(f"reduce(MEAN, axis=None) raises ValueError: {error}")
+
+# Inside a step, replicas combine values with all_reduce; with axis=0 the MEAN
+# is exact over uneven per-replica batches, and each replica gets its own copy.
+batches = [torch.tensor([0.0, 1, 2, 3]), torch.tensor([4.0, 5])]
+
+
+def mean_step():
+    ctx = mirrored.get_replica_context()
+    return ctx.all_reduce("MEAN", batches[ctx.replica_id_in_sync_group], axis=0)
+
+
+print(f"all_reduce(MEAN, axis=0) in each replica: {strategy.run(mean_step)}")

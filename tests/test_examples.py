@@ -19,3 +19,13 @@ def test_quickstart_prints_the_seed_results():
     assert "reduce(MEAN, axis=0) = 2.5" in out
     assert "raises ValueError" in out and "float32[4]" in out and "float32[2]" in out
     assert "PerReplica:{0: tensor(2.5000), 1: tensor(2.5000)}" in out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("script", ["bench_core.py", "bench_collectives.py"])
+def test_benchmarks_run_in_quick_mode(script):
+    # Only that they run and print their verdicts: timings are never asserted.
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / script
+    done = subprocess.run([sys.executable, str(path), "--quick"], capture_output=True,
+                          text=True, timeout=100, check=True)
+    assert "target" in done.stdout

@@ -9,7 +9,7 @@ import torch
 import mirrored
 from mirrored.experimental import CommunicationOptions
 
-pytestmark = pytest.mark.timeout(10)
+pytestmark = pytest.mark.timeout(30)
 
 
 def rid():
@@ -216,3 +216,50 @@ def test_second_collective_skipped_by_one_replica(strategies):
                        match=r"replica 3 \(CPU:3\) returned from its function"):
         strategy.run(step)
     assert_still_usable(strategy)
+
+
+def test_random_breaches_never_hang_and_leave_the_strategy_usable():
+    """Random sleeps, early returns, exceptions, short timeouts and mixed collectives:
+    every run either succeeds with the right values or raises a named error, and the
+    next run works."""
+    import random
+
+    n = 4
+    strategy = mirrored.MirroredStrategy([f"CPU:{i}" for i in range(n)])
+    rng = random.Random(0)
+    tight = CommunicationOptions(timeout_seconds=0.03)
+    outcomes = set()
+    for _ in range(120):
+        delays = [[rng.choice([0] * 8 + [0.002, 0.06]) for _ in range(3)] for _ in range(n)]
+        early = rng.randrange(1, n) if rng.random() < 0.15 else None
+        raising = rng.randrange(n) if rng.random() < 0.15 else None
+
+        def step(delays=delays, early=early, raising=raising):
+            ctx = mirrored.get_replica_context()
+            r = ctx.replica_id_in_sync_group
+            outs = []
+            for k in range(3):
+                time.sleep(delays[r][k])
+                if raising == r and k == 1:
+                    raise KeyError("boom")
+                if early == r and k == 2:
+                    return outs
+                if k == 1:
+                    outs.append(ctx.merge_call(lambda s, v: s.reduce("SUM", v),
+                                               args=(torch.tensor(float(r)),)))
+                else:
+                    outs.append(ctx.all_reduce("SUM", torch.tensor(float(r + k)),
+                                               options=tight))
+            return outs
+
+        try:
+            out = strategy.experimental_local_results(strategy.run(step))
+        except (mirrored.CollectiveTimeoutError, mirrored.CollectiveMismatchError, KeyError) as e:
+            outcomes.add(type(e).__name__)
+        else:
+            outcomes.add("ok")
+            for replica in out:
+                assert [t.item() for t in replica] == [6.0, 6.0, 14.0]
+        assert all(wake.locked() for wake in strategy._rendezvous._wakeups)
+        assert_still_usable(strategy)
+    assert {"ok", "KeyError", "CollectiveMismatchError"} <= outcomes

@@ -92,11 +92,6 @@ class BufferPool:
                 entries.append(fresh)
             return fresh
 
-    def clear(self) -> None:
-        """Drops every pooled buffer."""
-        with self._lock:
-            self._entries.clear()
-
 
 _default_pool = BufferPool()
 

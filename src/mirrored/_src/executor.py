@@ -136,10 +136,6 @@ class Executor:
         self._run_lock = threading.Lock()
         self._closed: str | None = None
 
-    @property
-    def num_replicas(self) -> int:
-        return self._n
-
     def run(self, call: Callable[[int], Any],
             on_exit: Callable[[int, BaseException | None], None] | None = None,
             on_interrupt: Callable[[], None] | None = None,

@@ -136,11 +136,6 @@ class Rendezvous:
         self._active = False
         self._completer = 0
 
-    @property
-    def active(self) -> bool:
-        """Whether a ``run`` of this strategy is in progress."""
-        return self._active
-
     def start(self) -> None:
         """Resets the state for a new ``run`` (no replica of an earlier one is running)."""
         with self._lock:

@@ -27,7 +27,7 @@ total = strategy.reduce("SUM", per_replica_result, axis=None)
 print(f"reduce(SUM, axis=None) = {total!r} on {total.device} (the host CPU)")
 
 # A partial last batch of 6 examples split 4 + 2: MEAN over axis 0 is the mean of
-# all 6 examples (15 / 6 = 2.5), not the mean of the two replicas' means (3.5).
+# all 6 examples (15 / 6 = 2.5), not the mean of the two replicas' means (3.0).
 per_example = mirrored.PerReplica([torch.tensor([0.0, 1, 2, 3]), torch.tensor([4.0, 5])],
                                   devices=strategy.extended.worker_devices)
 mean = strategy.reduce("MEAN", per_example, axis=0)

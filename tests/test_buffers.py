@@ -48,8 +48,11 @@ def test_never_reuses_a_held_tensor_view_storage_or_array():
 
 def test_small_tensors_are_not_pooled():
     pool = BufferPool()
-    a = pool.empty((4,), torch.float32, CPU)
-    assert pool.empty((4,), torch.float32, CPU) is not a
+    small = pool.empty((4,), torch.float32, CPU)
+    assert small.shape == (4,)
+    assert pool._entries == {}  # nothing kept, so nothing can be handed out twice
+    pool.empty(SHAPE, torch.float32, CPU)
+    assert list(pool._entries) == [(SHAPE, torch.float32)]
 
 
 def test_reduce_results_are_not_overwritten_while_held():

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import context, packing, pytree
+from . import context, pytree
 from .devices import Device
 from .options import CommunicationOptions
 from .reduce_op import ReduceOp
@@ -202,19 +202,12 @@ class _AllReduce(_Collective):
             local_counts: list[int] = list(arrivals[0].payload[1])
             return [([p.clone() for p in first], local_counts,
                      self._no_elements(local_counts))]
-        devices: Sequence[Device] = self.strategy._devices
+        devices: tuple[Device, ...] = self.strategy._devices
         ops = self.strategy._cross_device_ops_for(self.options)
         base_op = ReduceOp.SUM if self.op is ReduceOp.MEAN else self.op
-        outputs: list[list[Any]] = [[None] * len(first) for _ in range(n)]
-        keys = [(t.dtype, t.device) for t in first]  # replica i's leaf k sits on its device
-        nbytes = [t.numel() * t.element_size() for t in first]
-        for members in packing.plan(nbytes, keys, self.options.bytes_per_pack):
-            flats = [packing.pack([p[m] for m in members]) for p in partials]
-            reduced = ops.reduce_to_devices(base_op, flats, devices)
-            like = [first[m] for m in members]
-            for r in range(n):
-                for m, part in zip(members, packing.unpack(reduced[r], like), strict=True):
-                    outputs[r][m] = part
+        reduced = ops.reduce_packed(base_op, partials, [devices] * len(first),
+                                    self.options.bytes_per_pack)
+        outputs = [[per_value[r] for per_value in reduced] for r in range(n)]
         counts: list[int] = []
         if self.axes is not None:
             counts = [sum(a.payload[1][k] for a in arrivals) for k in range(len(first))]

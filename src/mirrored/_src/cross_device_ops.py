@@ -146,6 +146,7 @@ class CrossDeviceOps(abc.ABC):
                             f"pairs; got {type(value_destination_pairs).__name__}")
         results: list[Any] = [None] * len(value_destination_pairs)
         fused: list[_Item] = []
+        interned: dict[tuple[Device, ...], tuple[Device, ...]] = {}
         for index, pair in enumerate(value_destination_pairs):
             if not (isinstance(pair, tuple | list) and len(pair) == 2):
                 raise ValueError(
@@ -154,6 +155,7 @@ class CrossDeviceOps(abc.ABC):
                 )
             value, destinations = pair
             devices = resolve_destinations(destinations)
+            devices = interned.setdefault(devices, devices)  # equal destinations share packs
             where = f"value_destination_pairs[{index}]"
             if isinstance(value, PerReplica):
                 components = [to_tensor(v, where, "reduce_to", _NEST_HINT) for v in value.values]
@@ -172,8 +174,16 @@ class CrossDeviceOps(abc.ABC):
                 first = value.values[0] if isinstance(value, Mirrored) else value
                 tensor = to_tensor(first, where, "reduce_to", _NEST_HINT)
                 results[index] = _wrap(self.broadcast_to_devices(tensor, devices), devices)
-        for index, outputs, devices in self._reduce_packed(op, fused, options.bytes_per_pack):
-            results[index] = _wrap(outputs, devices)
+        if fused:
+            base_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
+            per_replica = list(zip(*(components for _, components, _, _ in fused), strict=True))
+            reduced = self.reduce_packed(base_op, per_replica,
+                                         [devices for _, _, devices, _ in fused],
+                                         options.bytes_per_pack)
+            for (index, components, devices, dtype), outputs in zip(fused, reduced, strict=True):
+                if op is ReduceOp.MEAN:
+                    outputs = [_mean(t, len(components), dtype) for t in outputs]
+                results[index] = _wrap(outputs, devices)
         return results
 
     def broadcast(self, tensor: Any, destinations: Any) -> Any:
@@ -188,28 +198,37 @@ class CrossDeviceOps(abc.ABC):
         value = to_tensor(tensor, "tensor", "broadcast_to")
         return _wrap(self.broadcast_to_devices(value, devices), devices)
 
-    def _reduce_packed(self, op: ReduceOp, items: Sequence[_Item], bytes_per_pack: int
-                       ) -> list[tuple[int, list[torch.Tensor], tuple[Device, ...]]]:
-        if not items:
-            return []
-        firsts = [components[0] for _, components, _, _ in items]
-        keys = [(t.dtype, tuple(c.device for c in components), devices)
-                for t, (_, components, devices, _) in zip(firsts, items, strict=True)]
-        nbytes = [t.numel() * t.element_size() for t in firsts]
-        base_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
-        n = len(items[0][1])
-        out: list[tuple[int, list[torch.Tensor], tuple[Device, ...]]] = []
+    def reduce_packed(self, reduce_op: ReduceOp, per_replica: Sequence[Sequence[torch.Tensor]],
+                      destinations: Sequence[tuple[Device, ...]], bytes_per_pack: int
+                      ) -> list[list[torch.Tensor]]:
+        """Combines many values at once with SUM, MIN or MAX, fused into packs.
+
+        Values of one dtype, device and destinations (the same tuple object) share
+        packs of at most ``bytes_per_pack`` bytes (0: no limit); each pack goes
+        through `reduce_to_devices` once.
+
+        Args:
+            reduce_op: SUM, MIN or MAX.
+            per_replica: ``per_replica[r][k]`` is replica ``r``'s component of value
+                ``k``; components of one value are alike.
+            destinations: ``destinations[k]`` are value ``k``'s destination devices.
+            bytes_per_pack: the pack size limit.
+
+        Returns:
+            ``out[k][d]``: value ``k``'s result on its ``d``-th destination (views of
+            the reduced packs, none shared between destinations).
+        """
+        first = per_replica[0]
+        keys = [(t.dtype, t.device, id(destinations[k])) for k, t in enumerate(first)]
+        nbytes = [t.numel() * t.element_size() for t in first]
+        out: list[list[torch.Tensor]] = [[] for _ in first]
         for members in packing.plan(nbytes, keys, bytes_per_pack):
-            devices = items[members[0]][2]
-            flats = [packing.pack([items[m][1][r] for m in members]) for r in range(n)]
-            reduced = self.reduce_to_devices(base_op, flats, devices)
-            like = [firsts[m] for m in members]
-            per_destination = [packing.unpack(flat, like) for flat in reduced]
-            for position, m in enumerate(members):
-                outputs = [parts[position] for parts in per_destination]
-                if op is ReduceOp.MEAN:
-                    outputs = [_mean(t, n, items[m][3]) for t in outputs]
-                out.append((items[m][0], outputs, devices))
+            flats = [packing.pack([leaves[m] for m in members]) for leaves in per_replica]
+            reduced = self.reduce_to_devices(reduce_op, flats, destinations[members[0]])
+            like = [first[m] for m in members]
+            for flat in reduced:
+                for m, part in zip(members, packing.unpack(flat, like), strict=True):
+                    out[m].append(part)
         return out
 
 

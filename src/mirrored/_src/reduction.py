@@ -27,6 +27,7 @@ __all__ = [
     "combine",
     "copy_to",
     "describe",
+    "describe_spec",
     "gather_components",
     "mean_dtype",
     "normalize_axis",
@@ -39,7 +40,12 @@ _FLOAT32_MEAN = (torch.int8, torch.uint8, torch.int16)
 
 def describe(tensor: torch.Tensor) -> str:
     """``float32[4, 3]``: a tensor's dtype and shape, as error messages print them."""
-    return f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"
+    return describe_spec(tensor.dtype, tuple(tensor.shape))
+
+
+def describe_spec(dtype: torch.dtype, shape: tuple[int, ...]) -> str:
+    """`describe` from a dtype and a shape."""
+    return f"{str(dtype).removeprefix('torch.')}{list(shape)}"
 
 
 def normalize_axis(axis: Any) -> tuple[int, ...] | None:

@@ -24,6 +24,7 @@ from typing import Any
 
 from . import pytree
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, ReplicaAbortedError
+from .reduction import describe_spec
 
 __all__ = ["Arrival", "Failure", "Rendezvous"]
 
@@ -63,16 +64,12 @@ class Arrival:
     combine: Callable[[Sequence[Arrival]], Sequence[Any]]
 
 
-def _leaf(dtype: Any, shape: tuple[int, ...]) -> str:
-    return f"{str(dtype).removeprefix('torch.')}{list(shape)}"
-
-
 def _describe(arrival: Arrival, index: int | None) -> str:
     leaves = arrival.leaves
     if index is not None:
-        inputs = _leaf(*leaves[index])
+        inputs = describe_spec(*leaves[index])
     elif len(leaves) <= 4:
-        inputs = ", ".join(_leaf(*leaf) for leaf in leaves)
+        inputs = ", ".join(describe_spec(*leaf) for leaf in leaves)
     else:
         inputs = f"{len(leaves)} leaves"
     return f"{arrival.title} of {inputs or 'nothing'} at {arrival.site}"

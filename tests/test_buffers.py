@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 import mirrored
-from mirrored._src.buffers import BufferPool
+from mirrored._src.comm.buffers import BufferPool
 
 SHAPE = (1 << 19,)  # 2 MiB of float32: above the pooling threshold
 CPU = torch.device("cpu")

@@ -147,8 +147,8 @@ def test_all_gather_errors(two):
     def rank0():
         return mirrored.get_replica_context().all_gather(torch.tensor(1.0), axis=0)
 
-    with pytest.raises(ValueError, match=r"all_gather\(axis=0\) cannot concatenate the rank-0 "
-                                         r"value at value; give it a dimension first"):
+    with pytest.raises(ValueError, match=r"all_gather\(axis=0\) cannot concatenate rank-0 "
+                                         r"values at value; give each a dimension first"):
         two.run(rank0)
     with pytest.raises(TypeError, match=r"all_gather: axis must be an int; got NoneType"):
         two.run(lambda: mirrored.get_replica_context().all_gather(torch.ones(1), axis=None))

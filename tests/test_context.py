@@ -20,7 +20,7 @@ def test_default_strategy_outside_any_scope():
     assert default.run(lambda: x) is x
     assert default.reduce("MEAN", x) is x
     assert torch.equal(default.reduce("SUM", x), x)
-    assert default.experimental_local_results(x) == (x,)
+    assert default.experimental_local_results(x) == (x,)  # one replica
 
 
 def test_scope_makes_strategy_current(two):

@@ -260,6 +260,5 @@ def test_random_breaches_never_hang_and_leave_the_strategy_usable():
             outcomes.add("ok")
             for replica in out:
                 assert [t.item() for t in replica] == [6.0, 6.0, 14.0]
-        assert all(wake.locked() for wake in strategy._rendezvous._wakeups)
         assert_still_usable(strategy)
     assert {"ok", "KeyError", "CollectiveMismatchError"} <= outcomes

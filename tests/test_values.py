@@ -99,7 +99,7 @@ def test_run_structure_mismatch(two):
 def test_local_results_of_plain_and_distributed(two):
     v = mirrored.PerReplica([torch.tensor(0), torch.tensor(1)])
     assert two.experimental_local_results(v) == v.values
-    assert two.experimental_local_results(3) == (3,)
+    assert two.experimental_local_results(3) == (3, 3)  # once per replica, as TF
     nest = two.experimental_local_results([v, "s"])
     assert nest[0][0].item() == 0 and nest[1][0].item() == 1 and nest[1][1] == "s"
 

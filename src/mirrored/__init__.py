@@ -10,23 +10,23 @@ Example:
 """
 
 from . import experimental as experimental
+from ._src.comm.cross_device_ops import CrossDeviceOps as CrossDeviceOps
+from ._src.comm.cross_device_ops import ReductionToOneDevice as ReductionToOneDevice
 from ._src.context import get_cross_replica_context as get_cross_replica_context
 from ._src.context import get_replica_context as get_replica_context
 from ._src.context import get_strategy as get_strategy
 from ._src.context import has_strategy as has_strategy
 from ._src.context import in_cross_replica_context as in_cross_replica_context
-from ._src.cross_device_ops import CrossDeviceOps as CrossDeviceOps
-from ._src.cross_device_ops import ReductionToOneDevice as ReductionToOneDevice
 from ._src.errors import CollectiveMismatchError as CollectiveMismatchError
 from ._src.errors import CollectiveTimeoutError as CollectiveTimeoutError
 from ._src.errors import MirroredError as MirroredError
 from ._src.loss import compute_average_loss as compute_average_loss
 from ._src.reduce_op import ReduceOp as ReduceOp
-from ._src.replica_context import ReplicaContext as ReplicaContext
-from ._src.strategy import MirroredStrategy as MirroredStrategy
-from ._src.strategy import OneDeviceStrategy as OneDeviceStrategy
-from ._src.strategy import Strategy as Strategy
-from ._src.strategy import StrategyExtended as StrategyExtended
+from ._src.strategies.extended import StrategyExtended as StrategyExtended
+from ._src.strategies.mirrored import MirroredStrategy as MirroredStrategy
+from ._src.strategies.mirrored import OneDeviceStrategy as OneDeviceStrategy
+from ._src.strategies.replica_context import ReplicaContext as ReplicaContext
+from ._src.strategies.strategy import Strategy as Strategy
 from ._src.values import DistributedValues as DistributedValues
 from ._src.values import Mirrored as Mirrored
 from ._src.values import PerReplica as PerReplica

@@ -6,20 +6,21 @@ Each thread has a stack of frames ``(strategy, replica_context)``.
 replica running inside ``strategy.run`` pushes ``(strategy, its ReplicaContext)``.
 An empty stack means the default strategy, in its default replica context (as in
 TF, where code outside any strategy is "in replica context" of the default).
+
+This module knows strategies only through the small `StrategyLike` protocol; the
+default strategy is registered here by the strategies package
+(`register_default_strategy`), not imported.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, NamedTuple
-
-if TYPE_CHECKING:
-    from .replica_context import ReplicaContext
-    from .strategy import Strategy
+from typing import Any, NamedTuple, Protocol
 
 __all__ = [
+    "StrategyLike",
     "enter_scope",
     "get_cross_replica_context",
     "get_replica_context",
@@ -27,13 +28,31 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
     "in_replica",
+    "register_default_strategy",
 ]
+
+
+class StrategyLike(Protocol):
+    """What this module needs of a strategy."""
+
+    @property
+    def default_replica_context(self) -> Any:
+        """The replica context that code outside ``run`` of this strategy is in, if any
+        (the default strategy's); ``None`` for every other strategy."""
+        ...
+
+
+# Typed as Any for users: get_strategy() is a mirrored.Strategy, but this module
+# cannot import that class (it sits below the strategies in the layers).
+Strategy = Any
+ReplicaContext = Any
 
 
 class _Frame(NamedTuple):
     strategy: Strategy
     replica_context: ReplicaContext | None
     merging: bool = False
+    in_run: bool = False
 
 
 class _State(threading.local):
@@ -49,25 +68,42 @@ def _top() -> _Frame | None:
     return stack[-1] if stack else None
 
 
-def _default() -> Strategy:
-    from .strategy import default_strategy
+_default_factory: Callable[[], Strategy] | None = None
 
-    return default_strategy()
+
+def register_default_strategy(factory: Callable[[], Strategy]) -> None:
+    """Registers how to get the process-wide default strategy (called once, by the
+    strategies package on import)."""
+    global _default_factory
+    _default_factory = factory
+
+
+def _default() -> Strategy:
+    if _default_factory is None:
+        raise RuntimeError("the default strategy is not registered; import mirrored")
+    return _default_factory()
 
 
 @contextmanager
-def enter_scope(strategy: Strategy) -> Iterator[Strategy]:
-    """Makes ``strategy`` current for this thread (what ``strategy.scope()`` does)."""
+def enter_scope(strategy: StrategyLike) -> Iterator[Strategy]:
+    """Makes ``strategy`` current for this thread (what ``strategy.scope()`` does).
+
+    Entering any strategy inside the default strategy's scope is allowed (as in TF);
+    entering a different strategy inside another one's scope is not.
+    """
     top = _top()
-    if top is not None and top.strategy is not strategy:
+    default = _default()
+    if top is not None and top.strategy is not strategy and top.strategy is not default:
         raise RuntimeError(
             f"cannot enter the scope of {strategy!r} inside the scope of {top.strategy!r}; "
             "mixing strategies is not supported: leave the outer scope first"
         )
-    replica_context = top.replica_context if top is not None else None
-    if replica_context is None and strategy is _default():
-        replica_context = strategy.default_replica_context  # as outside any scope
-    _state.stack.append(_Frame(strategy, replica_context))
+    replica_context = None
+    if top is not None and top.strategy is strategy:
+        replica_context = top.replica_context
+    if replica_context is None:
+        replica_context = strategy.default_replica_context  # the default's, as outside
+    _state.stack.append(_Frame(strategy, replica_context, in_run=top is not None and top.in_run))
     try:
         yield strategy
     finally:
@@ -78,7 +114,7 @@ def enter_scope(strategy: Strategy) -> Iterator[Strategy]:
 def in_replica(strategy: Strategy, replica_context: ReplicaContext) -> Iterator[None]:
     """Puts this thread in ``replica_context`` of ``strategy`` (used by `run`)."""
     stack = _state.stack
-    stack.append(_Frame(strategy, replica_context))
+    stack.append(_Frame(strategy, replica_context, in_run=True))
     try:
         yield
     finally:
@@ -89,7 +125,7 @@ def in_replica(strategy: Strategy, replica_context: ReplicaContext) -> Iterator[
 def in_merge_fn(strategy: Strategy) -> Iterator[None]:
     """Puts this thread in the cross-replica context of a ``merge_fn`` of ``strategy``."""
     stack = _state.stack
-    stack.append(_Frame(strategy, None, merging=True))
+    stack.append(_Frame(strategy, None, merging=True, in_run=True))
     try:
         yield
     finally:
@@ -186,4 +222,10 @@ def current_replica_context() -> ReplicaContext | None:
     """The `ReplicaContext` of the ``run`` this thread is inside, else ``None``
     (unlike `get_replica_context`, never the default replica context)."""
     top = _top()
-    return top.replica_context if top is not None else None
+    return top.replica_context if top is not None and top.in_run else None
+
+
+def in_run() -> bool:
+    """Whether this thread runs a replica or a ``merge_fn`` of some ``strategy.run``."""
+    top = _top()
+    return top is not None and top.in_run

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from . import collectives, context
+from . import context
 
 __all__ = ["compute_average_loss"]
 
@@ -65,8 +65,6 @@ def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = 
                              f"{global_batch_size!r}")
         return total / int(size)
     count = torch.tensor(loss.shape[0], dtype=torch.int64, device=loss.device)
-    strategy = replica.strategy
-    global_count = collectives.all_reduce(strategy, replica.replica_id_in_sync_group, "SUM",
-                                          count, None, None, collectives.call_site(1))
+    global_count = replica.all_reduce("SUM", count)
     average: torch.Tensor = total / global_count.to(total.dtype)
     return average

@@ -1,11 +1,12 @@
-"""The math of combining replica components: axis handling, sum + count for MEAN,
-dtype promotion, and the checks that turn bad input into clear errors.
+"""The math of every reduction, once: axis handling, local pre-reduction, sum + count
+for MEAN, accumulation and result dtypes, and the checks that turn bad input into
+clear errors.
 
-Everything here works on a list of one tensor per replica (``components``) and
-is pure: no strategies, no threads. Components are always combined in replica
-order, so results are bitwise reproducible.
-
-With ``axis``, the MEAN is the global sum over the global count::
+Everything here is pure (no strategies, threads or transports) and works one
+leaf at a time. A reduction of a leaf is planned (`LeafPlan`), each replica's
+component is *prepared* (reduced over ``axis`` locally, counted, cast to the
+accumulation dtype), the partials are combined across replicas by a
+communicator, and the total is *finished* (MEAN division, promotion)::
 
     mean = (sum_i sum_{axis}(x_i)) / (sum_i prod_{a in axis} x_i.shape[a])
 
@@ -14,28 +15,40 @@ so replicas may hold different numbers of examples (a partial last batch).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from .buffers import default_pool
 from .reduce_op import ReduceOp
 
 __all__ = [
-    "combine",
-    "copy_to",
+    "LeafPlan",
+    "check_dtype",
     "describe",
     "describe_spec",
-    "gather_components",
+    "finish",
+    "leaf_dims",
+    "masked_shape",
     "mean_dtype",
     "normalize_axis",
-    "reduce_components",
+    "op_title",
+    "plan_components",
+    "plan_leaf",
+    "prepare",
     "sum_dtype",
 ]
 
 _FLOAT32_MEAN = (torch.int8, torch.uint8, torch.int16)
+_HALF = (torch.float16, torch.bfloat16)
+# dtypes torch cannot add or compare on the CPU (they raise NotImplementedError deep inside).
+_UNSUPPORTED = frozenset(
+    getattr(torch, name) for name in (
+        "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+        "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2")
+    if hasattr(torch, name))
 
 
 def describe(tensor: torch.Tensor) -> str:
@@ -53,6 +66,10 @@ def normalize_axis(axis: Any) -> tuple[int, ...] | None:
 
     Raises:
         TypeError: ``axis`` is of another type (``bool`` included).
+
+    Example:
+        >>> normalize_axis(0), normalize_axis([0, -1]), normalize_axis(None)
+        ((0,), (0, -1), None)
     """
     if axis is None:
         return None
@@ -63,18 +80,38 @@ def normalize_axis(axis: Any) -> tuple[int, ...] | None:
     axes = (axis,) if isinstance(axis, int) else tuple(axis)
     for a in axes:
         if isinstance(a, bool) or not isinstance(a, int):
-            raise TypeError(f"axis must contain only ints; got {type(a).__name__} {a!r} in "
-                            f"{axis!r}")
+            raise TypeError(f"axis must be None, an int or a tuple of ints; got "
+                            f"{type(a).__name__} {a!r} in {axis!r}")
     return axes
 
 
+def op_title(name: str, op: ReduceOp, axes: tuple[int, ...] | None, *,
+             show_none: bool = False) -> str:
+    """``reduce(MEAN, axis=0)``: how messages name a call. ``axis=0`` and ``axis=(0,)``
+    print alike, so equal calls compare equal."""
+    if axes is None:
+        return f"{name}({op.name}, axis=None)" if show_none else f"{name}({op.name})"
+    text = str(axes[0]) if len(axes) == 1 else str(axes)
+    return f"{name}({op.name}, axis={text})"
+
+
 def sum_dtype(op: ReduceOp, dtype: torch.dtype) -> torch.dtype:
-    """The dtype sums are accumulated in: integer MEANs sum exactly in int64 before the
-    true division (no int8 overflow on the way to a float32 mean); everything else
-    keeps its dtype (SUM of int8 wraps, as it does in TF)."""
-    if op is ReduceOp.MEAN and not (dtype.is_floating_point or dtype.is_complex):
-        return torch.int64
-    return dtype
+    """The dtype a reduction accumulates in.
+
+    MEAN accumulates float16/bfloat16 in float32 (no overflow on the way to a mean
+    that fits, as ``torch.mean`` does), int64 in float64 (no wrap-around), other
+    integers exactly in int64. SUM, MIN and MAX keep the input dtype (SUM of int8
+    wraps, as it does in TF and torch).
+    """
+    if op is not ReduceOp.MEAN:
+        return dtype
+    if dtype in _HALF:
+        return torch.float32
+    if dtype.is_floating_point or dtype.is_complex:
+        return dtype
+    if dtype == torch.int64:
+        return torch.float64
+    return torch.int64
 
 
 def mean_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -87,202 +124,180 @@ def mean_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64
 
 
+def check_dtype(title: str, op: ReduceOp | None, dtype: torch.dtype, where: str) -> None:
+    """Refuses dtypes a reduction is not defined for (``op=None``: a gather).
+
+    Raises:
+        TypeError: bool (reductions), complex (MIN/MAX), or a dtype torch cannot
+            combine (uint16/32/64, float8).
+    """
+    if dtype in _UNSUPPORTED:
+        raise TypeError(
+            f"{title} does not support dtype {str(dtype).removeprefix('torch.')} (at {where}): "
+            "torch cannot add or compare it; cast it first, e.g. x.to(torch.int64) or "
+            "x.to(torch.float32)")
+    if op is None:
+        return
+    if dtype == torch.bool:
+        raise TypeError(f"{title} cannot reduce bool tensors (at {where}); cast them first, "
+                        "e.g. x.to(torch.int32)")
+    if op in (ReduceOp.MIN, ReduceOp.MAX) and dtype.is_complex:
+        raise TypeError(f"{title} is not defined for complex dtype "
+                        f"{str(dtype).removeprefix('torch.')} (at {where})")
+
+
+def leaf_dims(title: str, shape: Sequence[int], axes: tuple[int, ...], where: str
+              ) -> tuple[int, ...]:
+    """The non-negative dims that ``axes`` name for a value of ``shape``.
+
+    Raises:
+        ValueError: a rank-0 value with an axis, an axis out of range, or a dim
+            named twice.
+    """
+    rank = len(shape)
+    if rank == 0 and axes:
+        raise ValueError(f"{title}: rank-0 values at {where} have no axis {axes[0]}; use "
+                         "axis=None to reduce scalars across replicas")
+    dims = []
+    for a in axes:
+        if not -rank <= a < rank:
+            raise ValueError(f"{title}: axis {a} is out of range for rank-{rank} values at "
+                             f"{where} (valid axes are {-rank}..{rank - 1}); got shape "
+                             f"{list(shape)}")
+        dims.append(a % rank)
+    if len(set(dims)) != len(dims):
+        raise ValueError(f"{title}: axis {axes} names the same dimension twice for rank-{rank} "
+                         f"values at {where}")
+    return tuple(dims)
+
+
+def masked_shape(shape: Sequence[int], dims: Sequence[int]) -> tuple[int, ...]:
+    """``shape`` with the reduced/gathered dims replaced by -1 (they may differ)."""
+    return tuple(-1 if d in dims else s for d, s in enumerate(shape))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeafPlan:
+    """How one leaf is reduced: over which local dims, in which dtypes.
+
+    ``dims`` is ``None`` without an axis (replicas combined element-wise).
+    """
+
+    op: ReduceOp
+    dims: tuple[int, ...] | None
+    dtype: torch.dtype
+    accumulate: torch.dtype
+    result: torch.dtype
+
+    @property
+    def base_op(self) -> ReduceOp:
+        """What the communicator combines with: MEAN travels as a SUM."""
+        return ReduceOp.SUM if self.op is ReduceOp.MEAN else self.op
+
+    @property
+    def counts(self) -> bool:
+        """Whether the global element count is needed (MEAN and MIN/MAX over an axis)."""
+        return self.dims is not None and self.op is not ReduceOp.SUM
+
+
+def plan_leaf(title: str, op: ReduceOp, tensor: torch.Tensor, axes: tuple[int, ...] | None,
+              where: str) -> LeafPlan:
+    """Plans the reduction of one replica's ``tensor`` (checks dtype and axis)."""
+    dtype = tensor.dtype
+    check_dtype(title, op, dtype, where)
+    dims = None if axes is None else leaf_dims(title, tensor.shape, axes, where)
+    return LeafPlan(op, dims, dtype, sum_dtype(op, dtype),
+                    mean_dtype(dtype) if op is ReduceOp.MEAN else dtype)
+
+
+def plan_components(title: str, op: ReduceOp, components: Sequence[torch.Tensor],
+                    axes: tuple[int, ...] | None, labels: Sequence[str], where: str
+                    ) -> LeafPlan:
+    """Plans the reduction of one tensor per replica, all seen at once (cross-replica
+    ``reduce``): they must share dtype, and shape except along ``axis``.
+
+    Raises:
+        ValueError: mismatched dtypes, ranks or shapes, or a bad axis.
+        TypeError: a dtype the op is not defined for.
+    """
+    first = components[0]
+    if any(c.dtype != first.dtype for c in components):
+        raise ValueError(f"{title} needs components of one dtype at {where}; got "
+                         f"{_listing(components, labels)}")
+    if axes is None:
+        if any(c.shape != first.shape for c in components):
+            hint = (". For per-example values with uneven batches, reduce over the batch "
+                    "too with axis=0") if title.startswith("reduce(") else ""
+            raise ValueError(f"{title} needs components of one shape at {where}; got "
+                             f"{_listing(components, labels)}{hint}")
+        return plan_leaf(title, op, first, None, where)
+    if any(c.dim() != first.dim() for c in components):
+        raise ValueError(f"{title} needs components of one rank at {where}; got "
+                         f"{_listing(components, labels)}")
+    plan = plan_leaf(title, op, first, axes, where)
+    kept = masked_shape(first.shape, plan.dims or ())
+    if any(masked_shape(c.shape, plan.dims or ()) != kept for c in components):
+        axis_text = str(axes[0]) if len(axes) == 1 else str(axes)
+        raise ValueError(f"{title} needs components that differ only along axis {axis_text} "
+                         f"at {where}; got {_listing(components, labels)}")
+    return plan
+
+
 def _listing(components: Sequence[torch.Tensor], labels: Sequence[str]) -> str:
     return "; ".join(f"{label}: {describe(c)}" for label, c in zip(labels, components,
                                                                    strict=True))
 
 
-def _check_dtypes(name: str, op: ReduceOp | None, components: Sequence[torch.Tensor],
-                  labels: Sequence[str], where: str) -> torch.dtype:
-    dtype = components[0].dtype
-    if any(c.dtype != dtype for c in components):
-        raise ValueError(
-            f"{name} needs components of one dtype at {where}; got "
-            f"{_listing(components, labels)}"
-        )
-    if op is not None and dtype == torch.bool:
-        raise TypeError(
-            f"{name} cannot reduce bool tensors (at {where}); cast them first, e.g. "
-            "x.to(torch.int32)"
-        )
-    if op in (ReduceOp.MIN, ReduceOp.MAX) and dtype.is_complex:
-        raise TypeError(f"{name} is not defined for complex dtype {dtype} (at {where})")
-    return dtype
+def _identity(op: ReduceOp, dtype: torch.dtype) -> float | int:
+    if dtype.is_floating_point:
+        return math.inf if op is ReduceOp.MIN else -math.inf
+    info = torch.iinfo(dtype)
+    return info.max if op is ReduceOp.MIN else info.min
 
 
-def _normalize_dims(name: str, axes: tuple[int, ...], components: Sequence[torch.Tensor],
-                    labels: Sequence[str], where: str) -> tuple[int, ...]:
-    rank = components[0].dim()
-    if any(c.dim() != rank for c in components):
-        raise ValueError(
-            f"{name} needs components of one rank at {where}; got "
-            f"{_listing(components, labels)}"
-        )
-    if rank == 0 and axes:
-        raise ValueError(
-            f"{name} got rank-0 components at {where} ({_listing(components, labels)}), which "
-            f"have no axis {axes[0]}; use axis=None to reduce scalars across replicas"
-        )
-    dims = []
-    for a in axes:
-        if not -rank <= a < rank:
-            raise ValueError(
-                f"{name}: axis {a} is out of range for rank-{rank} components at {where} "
-                f"(valid axes are {-rank}..{rank - 1}); got {_listing(components, labels)}"
-            )
-        dims.append(a % rank)
-    if len(set(dims)) != len(dims):
-        raise ValueError(f"{name}: axis {axes} names the same dimension twice for rank-{rank} "
-                         f"components at {where}")
-    return tuple(dims)
+def prepare(plan: LeafPlan, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """One replica's partial result and element count.
 
-
-def _sum_into(out: torch.Tensor, parts: Sequence[torch.Tensor], divisor: int | None) -> None:
-    """``out = (((p0 + p1) + p2) + ...) [/ divisor]``, element-wise, in this order.
-
-    One out-of-place add, then in-place adds. Measured on the 2-core CI machines,
-    this beats summing in cache-sized chunks: ``out`` stays in the last-level
-    cache between the adds, so each input is read from memory once, and per-op
-    dispatch (which wakes torch's intra-op threads) is paid N - 1 times, not
-    N - 1 times per chunk. See benchmarks/bench_core.py.
+    Without an axis the partial is the tensor itself (cast to the accumulation
+    dtype); with one, the sum (SUM/MEAN) or amin/amax (MIN/MAX; the op's identity
+    for an empty component) over the planned dims.
     """
-    if len(parts) == 1:
-        out.copy_(parts[0])
-    else:
-        torch.add(parts[0], parts[1], out=out)
-        for p in parts[2:]:
-            out.add_(p)
-    if divisor is not None:
-        out.div_(divisor)
+    dims = plan.dims
+    if dims is None:
+        partial = tensor if tensor.dtype == plan.accumulate else tensor.to(plan.accumulate)
+        return partial, 1
+    count = math.prod(tensor.shape[d] for d in dims)
+    if plan.op is ReduceOp.SUM or plan.op is ReduceOp.MEAN:
+        if dims:
+            return tensor.sum(dim=dims, dtype=plan.accumulate), count
+        return tensor.to(plan.accumulate), count
+    if count == 0:
+        kept = [s for d, s in enumerate(tensor.shape) if d not in dims]
+        return torch.full(kept, _identity(plan.op, tensor.dtype), dtype=tensor.dtype,
+                          device=tensor.device), 0
+    fn = torch.amin if plan.op is ReduceOp.MIN else torch.amax
+    return (fn(tensor, dim=dims) if dims else tensor), count
 
 
-def combine(op: ReduceOp, parts: Sequence[torch.Tensor], device: torch.device,
-             divisor: int | None = None) -> torch.Tensor:
-    """Element-wise combination of equally shaped parts, in order, into a new tensor on
-    ``device`` (SUM/MEAN add, with ``divisor`` dividing the sum; MIN/MAX)."""
-    parts = [p if p.device == device else p.to(device) for p in parts]
-    first = parts[0]
-    out = default_pool().empty(tuple(first.shape), first.dtype, device)
-    if op is ReduceOp.SUM or op is ReduceOp.MEAN:
-        _sum_into(out, parts, divisor)
-    elif len(parts) == 1:
-        out.copy_(first)
-    else:
-        fn = torch.minimum if op is ReduceOp.MIN else torch.maximum
-        fn(parts[0], parts[1], out=out)
-        for p in parts[2:]:
-            fn(out, p, out=out)
-    return out
+def finish(plan: LeafPlan, total: torch.Tensor, divisor: int, *, in_place: bool) -> torch.Tensor:
+    """The result from the combined partials: MEAN divides by ``divisor`` (the replica
+    count, or the global element count with an axis) and casts to the result dtype.
 
-
-def copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A new copy of ``tensor`` on ``device`` (large host copies reuse pooled buffers)."""
-    out = default_pool().empty(tuple(tensor.shape), tensor.dtype, device)
-    return out.copy_(tensor)
-
-
-def reduce_components(op: ReduceOp, components: Sequence[torch.Tensor],
-                      axis: tuple[int, ...] | None, device: torch.device, *,
-                      labels: Sequence[str], where: str = "value") -> torch.Tensor:
-    """Combines one tensor per replica with ``op``, optionally over ``axis`` too.
-
-    Args:
-        op: the reduction.
-        components: one tensor per replica, in replica order.
-        axis: ``None`` to combine across replicas only, else the dims each
-            component is reduced over first (from `normalize_axis`).
-        device: where the result goes.
-        labels: how error messages name each component (``"replica 0 (CPU:0)"``).
-        where: how error messages name the value (a pytree path).
-
-    Returns:
-        A new tensor on ``device`` (never one of the components).
-
-    Raises:
-        ValueError: mismatched shapes, dtypes or ranks, a bad axis, or MIN/MAX
-            of no elements.
-        TypeError: bool components, or MIN/MAX of complex ones.
+    ``in_place`` allows dividing ``total`` itself (it is a fresh buffer nobody else
+    holds).
     """
-    axis_text = "None" if axis is None else (str(axis[0]) if len(axis) == 1 else str(axis))
-    name = f"reduce({op.name}, axis={axis_text})"
-    dtype = _check_dtypes(name, op, components, labels, where)
-    promote = mean_dtype(dtype) if op is ReduceOp.MEAN else dtype
-
-    if axis is None:
-        shape = components[0].shape
-        if any(c.shape != shape for c in components):
-            raise ValueError(
-                f"{name} needs components of one shape at {where}; got "
-                f"{_listing(components, labels)}. For per-example values with uneven "
-                "batches, reduce over the batch too with axis=0"
-            )
-        if op is not ReduceOp.MEAN:
-            return combine(op, components, device)
-        if promote == dtype:
-            return combine(ReduceOp.SUM, components, device, divisor=len(components))
-        exact = [c.to(torch.int64) for c in components]
-        return combine(ReduceOp.SUM, exact, device).to(promote).div_(len(components))
-
-    dims = _normalize_dims(name, axis, components, labels, where)
-    kept = [tuple(s for d, s in enumerate(c.shape) if d not in dims) for c in components]
-    if any(k != kept[0] for k in kept):
-        raise ValueError(
-            f"{name} needs components that differ only along axis {axis_text} at {where}; "
-            f"got {_listing(components, labels)}"
-        )
-    counts = [math.prod(c.shape[d] for d in dims) for c in components]
-
-    if op is ReduceOp.SUM or op is ReduceOp.MEAN:
-        accumulate = sum_dtype(op, dtype)
-        partials = [c.sum(dim=dims, dtype=accumulate) if dims else c.to(accumulate)
-                    for c in components]
-        total = combine(ReduceOp.SUM, partials, device)
-        if op is ReduceOp.SUM:
-            return total
-        return total.to(promote).div_(sum(counts))
-
-    amin_or_amax = torch.amin if op is ReduceOp.MIN else torch.amax
-    partials = [amin_or_amax(c, dim=dims) if dims else c
-                for c, n in zip(components, counts, strict=True) if n > 0]
-    if not partials:
-        raise ValueError(
-            f"{name} has no elements to reduce at {where}: every component is empty along "
-            f"axis {axis_text} ({_listing(components, labels)})"
-        )
-    return combine(op, partials, device)
+    if plan.op is not ReduceOp.MEAN:
+        return total
+    if total.dtype == plan.result and in_place:
+        return total.div_(divisor)
+    if total.dtype == plan.result:
+        return total / divisor
+    if total.dtype.is_floating_point and plan.result.is_floating_point:
+        return (total / divisor).to(plan.result)  # float32 accumulator of a half MEAN
+    return total.to(plan.result).div_(divisor)
 
 
-def gather_components(components: Sequence[torch.Tensor], axis: int, device: torch.device,
-                      *, labels: Sequence[str], where: str = "value",
-                      name: str = "gather") -> torch.Tensor:
-    """Concatenates one tensor per replica along ``axis``, in replica order, on ``device``.
-
-    Components may differ only in their size along ``axis``.
-
-    Raises:
-        ValueError: rank-0 components, an axis out of range, or other mismatches.
-        TypeError: ``axis`` is not an int.
-    """
-    if isinstance(axis, bool) or not isinstance(axis, int):
-        raise TypeError(f"{name}: axis must be an int; got {type(axis).__name__} {axis!r}")
-    full = f"{name}(axis={axis})"
-    _check_dtypes(full, None, components, labels, where)
-    rank = components[0].dim()
-    if rank == 0:
-        raise ValueError(
-            f"{full} cannot concatenate rank-0 components at {where} "
-            f"({_listing(components, labels)}); give each a dimension first, e.g. x[None]"
-        )
-    (dim,) = _normalize_dims(full, (axis,), components, labels, where)
-    base = list(components[0].shape)
-    for c in components:
-        if [s for d, s in enumerate(c.shape) if d != dim] != [
-                s for d, s in enumerate(base) if d != dim]:
-            raise ValueError(
-                f"{full} needs components that differ only along axis {axis} at {where}; "
-                f"got {_listing(components, labels)}"
-            )
-    base[dim] = sum(c.shape[dim] for c in components)
-    parts = [c if c.device == device else c.to(device) for c in components]
-    out = default_pool().empty(tuple(base), components[0].dtype, device)
-    return torch.cat(parts, dim=dim, out=out)
+def no_elements_message(title: str, where: str) -> str:
+    """The message for MIN/MAX over an axis where no replica has an element."""
+    return (f"{title} has no elements to reduce at {where}: every replica's value is empty "
+            "along the reduced axis")

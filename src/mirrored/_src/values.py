@@ -171,17 +171,17 @@ def select_replica(index: int, leaves: Sequence[Any]) -> list[Any]:
 
 
 def regroup(results: Sequence[Any], devices: Sequence[str], *,
-            collapse_identical: bool = True) -> Any:
+            collapse_identical: bool = True, always_per_replica: bool = False) -> Any:
     """Packs what each replica returned into one nest of `PerReplica` leaves.
 
     Leaves that every replica returned as the same object (``is``) stay as they
     are, unless ``collapse_identical`` is false. With one replica the result is
-    returned unchanged.
+    returned unchanged, unless ``always_per_replica``.
 
     Raises:
         ValueError: the replicas returned different structures.
     """
-    if len(results) == 1:
+    if len(results) == 1 and not always_per_replica:
         return results[0]
     flat = [pytree.flatten(r) for r in results]
     spec0 = flat[0][1]

@@ -5,9 +5,10 @@ context's ``all_reduce``/``all_gather``, ``extended.reduce_to``,
 ``batch_reduce_to`` and ``broadcast_to``) ends in one of these three calls. A
 single-process strategy uses a `CrossDeviceOps` (which implements the protocol);
 a multi-worker one wraps it in a two-level communicator (local replicas first,
-then one ``torch.distributed`` collective across workers per pack). The math
+then one ``torch.distributed`` collective across workers per pack); element
+counts for exact means travel through ``sum_counts``. The math
 around the calls (axis pre-reduction, counts, MEAN division, promotion) lives
-in ``collectives.plan`` and never changes with the transport.
+in ``reduction`` and never changes with the transport.
 """
 
 from __future__ import annotations
@@ -67,4 +68,9 @@ class Communicator(Protocol):
     def broadcast(self, tensor: torch.Tensor, destinations: tuple[Device, ...]
                   ) -> list[torch.Tensor]:
         """One new copy of ``tensor`` per destination device."""
+        ...
+
+    def sum_counts(self, per_replica: Sequence[Sequence[int]]) -> list[int]:
+        """Global element counts: ``per_replica[r][k]`` is local replica ``r``'s count
+        for value ``k``; returns each value's count summed over every replica."""
         ...

@@ -20,13 +20,18 @@ import _thread
 import dataclasses
 import threading
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
-from . import pytree
-from .errors import CollectiveMismatchError, CollectiveTimeoutError, ReplicaAbortedError
-from .reduction import describe_spec
+import torch
 
-__all__ = ["Arrival", "Failure", "Rendezvous"]
+from .. import pytree
+from ..errors import CollectiveMismatchError, CollectiveTimeoutError, ReplicaAbortedError
+from ..reduction import describe_spec
+
+__all__ = ["Arrival", "CallSpec", "CollectiveFailure", "Failure", "Rendezvous"]
+
+P = TypeVar("P")
+R = TypeVar("R")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -43,44 +48,74 @@ class Failure:
     error_type: type[BaseException]
     message: str
 
+    def error(self) -> BaseException:
+        return self.error_type(self.message)
 
-@dataclasses.dataclass(slots=True)
-class Arrival:
-    """What one replica brings to a collective.
 
-    ``title`` names the call (``all_reduce(SUM, axis=0)``); ``signature`` must be
-    equal on every replica; ``leaves`` (dtype and shape per leaf) and ``value``
-    describe the inputs in error messages; ``combine`` is run by the last replica
-    to arrive, on every arrival in replica order, and returns one result per replica.
+class CollectiveFailure(Exception):
+    """Raised by a ``combine`` to fail the collective in *every* replica with
+    ``error_type(message)`` (e.g. MIN over no elements); any other exception is
+    delivered to replica 0 and the others are released."""
+
+    def __init__(self, error_type: type[BaseException], message: str) -> None:
+        super().__init__(message)
+        self.failure = Failure(error_type, message)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CallSpec:
+    """What one replica's collective call looks like, for the contract check.
+
+    ``key`` must be equal on every replica (title, structure, shapes with the
+    reduced/gathered dims masked, dtypes); ``leaves`` (dtype and shape per leaf)
+    and ``value`` describe the inputs in error messages.
     """
 
     title: str
     site: str
-    signature: Hashable
-    structure: Any
-    leaves: tuple[tuple[Any, tuple[int, ...]], ...]
-    value: Any
-    payload: Any
-    combine: Callable[[Sequence[Arrival]], Sequence[Any]]
+    key: Hashable
+    structure: pytree.PyTreeSpec | None = None
+    leaves: tuple[tuple[torch.dtype, tuple[int, ...]], ...] = ()
+    value: Any = None
 
 
-def _describe(arrival: Arrival, index: int | None) -> str:
-    leaves = arrival.leaves
+@dataclasses.dataclass(frozen=True, slots=True)
+class Arrival(Generic[P, R]):
+    """What one replica brings to a collective: its call, its payload, and how to
+    combine every replica's payload (run once, by the last replica to arrive, on the
+    payloads in replica order; returns one result per replica)."""
+
+    call: CallSpec
+    payload: P
+    combine: Callable[[Sequence[P]], Sequence[R]]
+
+    @property
+    def title(self) -> str:
+        return self.call.title
+
+    @property
+    def site(self) -> str:
+        return self.call.site
+
+
+def _describe(call: CallSpec, index: int | None) -> str:
+    leaves = call.leaves
     if index is not None:
         inputs = describe_spec(*leaves[index])
     elif len(leaves) <= 4:
         inputs = ", ".join(describe_spec(*leaf) for leaf in leaves)
     else:
         inputs = f"{len(leaves)} leaves"
-    return f"{arrival.title} of {inputs or 'nothing'} at {arrival.site}"
+    return f"{call.title} of {inputs or 'nothing'} at {call.site}"
 
 
-def mismatch_message(arrivals: Sequence[Arrival], labels: Sequence[str]) -> str | None:
-    """``None`` if every arrival has replica 0's signature, else the error message."""
-    first = arrivals[0]
-    if all(a.signature == first.signature for a in arrivals):
+def mismatch_message(calls: Sequence[CallSpec], labels: Sequence[str]) -> str | None:
+    """``None`` if every call has replica 0's key, else the error message."""
+    first = calls[0]
+    if all(c.key == first.key for c in calls):
         return None
-    other = next(a for a in arrivals if a.signature != first.signature)
+    other = next(c for c in calls if c.key != first.key)
+    arrivals = calls
     if other.title != first.title:
         headline = "replicas called different collectives"
         lines = [f"  {label}: {_describe(a, None)}" for label, a in zip(labels, arrivals,
@@ -123,7 +158,7 @@ class Rendezvous:
         self._wakeups = [_thread.allocate_lock() for _ in range(n)]
         for wake in self._wakeups:
             wake.acquire()
-        self._arrivals: list[Arrival | None] = [None] * n
+        self._arrivals: list[Arrival[Any, Any] | None] = [None] * n
         self._count = 0
         self._completing = False
         self._mailbox: list[Any] = [None] * n
@@ -153,7 +188,7 @@ class Rendezvous:
             self._active = False
 
     # ----------------------------------------------------------- exchange
-    def exchange(self, replica_id: int, arrival: Arrival, timeout: float | None) -> Any:
+    def exchange(self, replica_id: int, arrival: Arrival[P, R], timeout: float | None) -> R:
         """Deposits ``arrival`` and returns this replica's result once all arrived.
 
         Raises:
@@ -189,21 +224,23 @@ class Rendezvous:
             self._count += 1
             last = self._count == self._n
             if last:
-                arrivals: list[Arrival] = list(self._arrivals)  # type: ignore[arg-type]
+                arrivals = [a for a in self._arrivals if a is not None]
                 self._completing = True
                 self._completer = threading.get_ident()
-        if not last:
-            return self._wait(replica_id, arrival, timeout)
-        return self._complete(replica_id, arrivals)
+        result: R = (self._wait(replica_id, arrival, timeout) if not last
+                     else self._complete(replica_id, arrivals))
+        return result
 
-    def _complete(self, replica_id: int, arrivals: list[Arrival]) -> Any:
+    def _complete(self, replica_id: int, arrivals: list[Arrival[Any, Any]]) -> Any:
         message: str | None = None
         try:
-            message = mismatch_message(arrivals, self._labels)
+            message = mismatch_message([a.call for a in arrivals], self._labels)
             if message is not None:
                 results: Sequence[Any] = [Failure(CollectiveMismatchError, message)] * self._n
             else:
-                results = arrivals[0].combine(arrivals)
+                results = arrivals[0].combine([a.payload for a in arrivals])
+        except CollectiveFailure as failure:  # raised in every replica
+            results = [failure.failure] * self._n
         except BaseException as error:  # delivered to replica 0, whose call it was
             aborted = Failure(ReplicaAbortedError, (
                 f"{arrivals[0].title} at {arrivals[0].site} failed in replica 0 with "
@@ -223,7 +260,8 @@ class Rendezvous:
                 self._broken = Failure(CollectiveMismatchError, message)
         return self._take(replica_id)
 
-    def _wait(self, replica_id: int, arrival: Arrival, timeout: float | None) -> Any:
+    def _wait(self, replica_id: int, arrival: Arrival[Any, Any], timeout: float | None
+              ) -> Any:
         wake = self._wakeups[replica_id]
         try:
             woken = wake.acquire() if timeout is None else wake.acquire(timeout=timeout)
@@ -310,13 +348,15 @@ class Rendezvous:
                 self._break(CollectiveMismatchError,
                             self._early_exit_message([replica_id], waiting))
 
-    def _early_exit_message(self, exited: Sequence[int], waiting: dict[int, Arrival]) -> str:
+    def _early_exit_message(self, exited: Sequence[int],
+                            waiting: dict[int, Arrival[Any, Any]]) -> str:
         first = waiting[min(waiting)]
         names = ", ".join(self._labels[j] for j in exited)
         lines = []
         for j in range(self._n):
             if j in waiting:
-                lines.append(f"  {self._labels[j]}: waiting in {_describe(waiting[j], None)}")
+                lines.append(f"  {self._labels[j]}: waiting in "
+                             f"{_describe(waiting[j].call, None)}")
             elif j in exited:
                 lines.append(f"  {self._labels[j]}: returned from its function")
             else:

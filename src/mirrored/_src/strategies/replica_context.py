@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from . import collectives, context
-from .options import CommunicationOptions
-from .reduce_op import ReduceOp
-
-if TYPE_CHECKING:
-    from .strategy import Strategy
+from .. import context
+from ..collectives import all_gather, all_reduce, merge_call
+from ..collectives.call import call_site
+from ..collectives.parts import Parts
+from ..options import CommunicationOptions
+from ..reduce_op import ReduceOp
 
 __all__ = ["ReplicaContext"]
 
@@ -28,12 +28,13 @@ class ReplicaContext:
         (1, 2, ('/job:localhost/replica:0/task:0/device:CPU:1',))
     """
 
-    __slots__ = ("_device", "_replica_id", "_strategy")
+    __slots__ = ("_device", "_index", "_parts", "_replica_id")
 
-    def __init__(self, strategy: Strategy, replica_id_in_sync_group: int, device: str) -> None:
-        self._strategy = strategy
-        self._replica_id = replica_id_in_sync_group
-        self._device = device
+    def __init__(self, parts: Parts, index: int) -> None:
+        self._parts = parts
+        self._index = index
+        self._replica_id = parts.topology.replica_ids[index]
+        self._device = parts.topology.device_names[index]
 
     @property
     def replica_id_in_sync_group(self) -> int:
@@ -43,12 +44,12 @@ class ReplicaContext:
     @property
     def num_replicas_in_sync(self) -> int:
         """How many replicas run each step."""
-        return self._strategy.num_replicas_in_sync
+        return self._parts.topology.num_replicas_in_sync
 
     @property
-    def strategy(self) -> Strategy:
+    def strategy(self) -> Any:
         """The strategy this replica belongs to."""
-        return self._strategy
+        return self._parts.strategy
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -61,12 +62,17 @@ class ReplicaContext:
 
     def _check_current(self, method: str) -> None:
         current = context.current_replica_context()
-        if self._strategy.num_replicas_in_sync > 1 and current is not self:
+        if self._parts.topology.num_replicas_in_sync > 1 and current is not self:
+            if current is not None:
+                where = "another replica"
+            elif context.in_merge_fn_of_run():
+                where = "cross-replica context (a merge_fn)"
+            else:
+                where = ("outside strategy.run (a replica context kept after its run "
+                         "returned, or used from a thread that is not a replica)")
             raise RuntimeError(
                 f"ReplicaContext.{method} of replica {self._replica_id} must be called by that "
-                "replica, inside strategy.run; it was called from "
-                + ("cross-replica context (e.g. a merge_fn)" if current is None
-                   else "another replica"))
+                f"replica, inside strategy.run; it was called from {where}")
 
     def all_reduce(self, reduce_op: ReduceOp | str, value: Any,
                    options: CommunicationOptions | None = None, axis: Any = None) -> Any:
@@ -103,8 +109,8 @@ class ReplicaContext:
             (tensor(2.5000), tensor(2.5000))
         """
         self._check_current("all_reduce")
-        return collectives.all_reduce(self._strategy, self._replica_id, reduce_op, value,
-                                      options, axis, collectives.call_site(1))
+        return all_reduce.all_reduce(self._parts, self._index, reduce_op, value, options, axis,
+                                     call_site(1))
 
     def all_gather(self, value: Any, axis: int,
                    options: CommunicationOptions | None = None) -> Any:
@@ -127,8 +133,8 @@ class ReplicaContext:
             tensor([1., 1., 1.])
         """
         self._check_current("all_gather")
-        return collectives.all_gather(self._strategy, self._replica_id, value, axis, options,
-                                      collectives.call_site(1))
+        return all_gather.all_gather(self._parts, self._index, value, axis, options,
+                                     call_site(1))
 
     def merge_call(self, merge_fn: Callable[..., Any], args: Sequence[Any] = (),
                    kwargs: dict[str, Any] | None = None) -> Any:
@@ -151,5 +157,5 @@ class ReplicaContext:
             tensor(3.)
         """
         self._check_current("merge_call")
-        return collectives.merge_call(self._strategy, self._replica_id, merge_fn, args, kwargs,
-                                      collectives.call_site(1))
+        return merge_call.merge_call(self._parts, self._index, merge_fn, args, kwargs,
+                                     call_site(1))

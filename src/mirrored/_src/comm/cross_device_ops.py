@@ -3,10 +3,10 @@ devices and copies results to destination devices.
 
 A `CrossDeviceOps` implements two primitives: `reduce_to_devices` (combine
 equally shaped components with SUM, MIN or MAX and give each destination its
-own copy) and `broadcast_to_devices`. The TF-style `reduce`, `batch_reduce` and
-`broadcast` are built on them here, once, with destinations resolved, MEAN
-(division and dtype promotion) and fusion (packing) handled for every
-implementation.
+own copy) and `broadcast_to_devices`; `gather_to_devices` (concatenate) has a
+default. Fusion (`reduce_packed`) is built on them here, once. A strategy uses
+its `CrossDeviceOps` through a `LocalCommunicator`; the TF-style `reduce`,
+`batch_reduce` and `broadcast` go through the same code path (``comm.batch``).
 
 - `ReductionToOneDevice`: the reference: copy to one device, combine, copy out.
 - `NcclAllReduce`: single-process NCCL over several CUDA devices, through
@@ -21,70 +21,14 @@ from typing import Any, final
 
 import torch
 
-from . import packing
-from .devices import Device, parse_device
-from .options import CommunicationOptions
-from .reduce_op import ReduceOp
-from .reduction import combine, copy_to, describe, mean_dtype, sum_dtype
-from .values import DistributedValues, Mirrored, PerReplica, to_tensor
+from ..devices import Device, parse_device
+from ..options import CommunicationOptions
+from ..reduce_op import ReduceOp
+from . import batch, packing
+from .host import combine, concat, copy_to
+from .local import LocalCommunicator
 
-__all__ = [
-    "CrossDeviceOps",
-    "NcclAllReduce",
-    "ReductionToOneDevice",
-    "resolve_destinations",
-]
-
-
-# (pair index, components in the accumulation dtype, destinations, input dtype)
-_Item = tuple[int, list[torch.Tensor], tuple[Device, ...], torch.dtype]
-
-
-def _device_of_tensor(tensor: torch.Tensor) -> Device:
-    if tensor.device.type == "cuda":
-        return Device("GPU", tensor.device.index or 0)
-    return Device("CPU", 0)
-
-
-def resolve_destinations(destinations: Any) -> tuple[Device, ...]:
-    """The devices named by ``destinations``: a device string or ``torch.device``, a
-    tensor (its device) or a distributed value (its components' devices).
-
-    Raises:
-        ValueError: an empty string, a list or tuple, or a malformed device name.
-        TypeError: any other type.
-    """
-    if isinstance(destinations, DistributedValues):
-        return tuple(parse_device(name) for name in destinations.devices)
-    if isinstance(destinations, torch.Tensor):
-        return (_device_of_tensor(destinations),)
-    if isinstance(destinations, str) and not destinations.strip():
-        raise ValueError(
-            "destinations must not be empty; pass a device string such as 'CPU:0' or "
-            "'cuda:1', a tensor, or a distributed value"
-        )
-    if isinstance(destinations, str | torch.device):
-        return (parse_device(destinations),)
-    if isinstance(destinations, list | tuple):
-        raise ValueError(
-            "destinations must be one device string, a tensor or a distributed value; got a "
-            f"{type(destinations).__name__}. For several destinations pass a distributed value "
-            "(its component devices are the destinations)"
-        )
-    raise TypeError(
-        "destinations must be a device string, a torch.device, a tensor or a distributed "
-        f"value; got {type(destinations).__name__}"
-    )
-
-
-_NEST_HINT = (". reduce_to and broadcast_to take one tensor per value: reduce a nest leaf "
-              "by leaf with batch_reduce_to")
-
-
-def _wrap(outputs: Sequence[torch.Tensor], devices: Sequence[Device]) -> Any:
-    if len(devices) == 1:
-        return outputs[0]
-    return Mirrored(list(outputs), [d.name for d in devices])
+__all__ = ["CrossDeviceOps", "NcclAllReduce", "ReductionToOneDevice"]
 
 
 class CrossDeviceOps(abc.ABC):
@@ -108,6 +52,13 @@ class CrossDeviceOps(abc.ABC):
     def broadcast_to_devices(self, tensor: torch.Tensor, devices: Sequence[Device]
                              ) -> list[torch.Tensor]:
         """One new copy of ``tensor`` per destination in ``devices``."""
+
+    def gather_to_devices(self, components: Sequence[torch.Tensor], dim: int,
+                          devices: Sequence[Device]) -> list[torch.Tensor]:
+        """Concatenates ``components`` (replica order; sizes may differ along ``dim``)
+        onto the first destination, then copies it to the others."""
+        first = concat(components, dim, devices[0].torch_device)
+        return [first, *(copy_to(first, d.torch_device) for d in devices[1:])]
 
     # ---------------------------------------------------------- TF-style API
     def reduce(self, reduce_op: ReduceOp | str, per_replica_value: Any, destinations: Any,
@@ -138,53 +89,16 @@ class CrossDeviceOps(abc.ABC):
 
         Returns:
             A list with one result per pair, in order.
+
+        Example:
+            >>> import torch, mirrored
+            >>> v = mirrored.PerReplica([torch.tensor(1.0), torch.tensor(4.0)])
+            >>> mirrored.ReductionToOneDevice().batch_reduce("MEAN", [(v, "CPU:0")])
+            [tensor(2.5000)]
         """
-        op = ReduceOp.from_value(reduce_op)
-        options = CommunicationOptions().merge(options)
-        if not isinstance(value_destination_pairs, tuple | list):
-            raise TypeError("value_destination_pairs must be a list of (value, destinations) "
-                            f"pairs; got {type(value_destination_pairs).__name__}")
-        results: list[Any] = [None] * len(value_destination_pairs)
-        fused: list[_Item] = []
-        interned: dict[tuple[Device, ...], tuple[Device, ...]] = {}
-        for index, pair in enumerate(value_destination_pairs):
-            if not (isinstance(pair, tuple | list) and len(pair) == 2):
-                raise ValueError(
-                    f"value_destination_pairs[{index}] must be a (value, destinations) pair; "
-                    f"got {type(pair).__name__}"
-                )
-            value, destinations = pair
-            devices = resolve_destinations(destinations)
-            devices = interned.setdefault(devices, devices)  # equal destinations share packs
-            where = f"value_destination_pairs[{index}]"
-            if isinstance(value, PerReplica):
-                components = [to_tensor(v, where, "reduce_to", _NEST_HINT) for v in value.values]
-                _check_alike(components, where)
-                dtype = components[0].dtype
-                accumulate = sum_dtype(op, dtype)
-                fused.append((index, [c.to(accumulate) for c in components], devices, dtype))
-                continue
-            if isinstance(value, Mirrored) or not isinstance(value, DistributedValues):
-                if op is ReduceOp.SUM:
-                    raise ValueError(
-                        f"reduce_to(SUM) got a value that is not per-replica at {where} "
-                        f"({type(value).__name__}); summing it across replicas would count it "
-                        "once per replica. Pass a PerReplica value, or use MEAN, MIN or MAX"
-                    )
-                first = value.values[0] if isinstance(value, Mirrored) else value
-                tensor = to_tensor(first, where, "reduce_to", _NEST_HINT)
-                results[index] = _wrap(self.broadcast_to_devices(tensor, devices), devices)
-        if fused:
-            base_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
-            per_replica = list(zip(*(components for _, components, _, _ in fused), strict=True))
-            reduced = self.reduce_packed(base_op, per_replica,
-                                         [devices for _, _, devices, _ in fused],
-                                         options.bytes_per_pack)
-            for (index, components, devices, dtype), outputs in zip(fused, reduced, strict=True):
-                if op is ReduceOp.MEAN:
-                    outputs = [_mean(t, len(components), dtype) for t in outputs]
-                results[index] = _wrap(outputs, devices)
-        return results
+        merged = CommunicationOptions().merge(options)
+        return batch.batch_reduce(LocalCommunicator(self), reduce_op, value_destination_pairs,
+                                  bytes_per_pack=merged.bytes_per_pack)
 
     def broadcast(self, tensor: Any, destinations: Any) -> Any:
         """Copies ``tensor`` to every destination device.
@@ -194,9 +108,7 @@ class CrossDeviceOps(abc.ABC):
             >>> mirrored.ReductionToOneDevice().broadcast(torch.tensor(1.0), "CPU:1")
             tensor(1.)
         """
-        devices = resolve_destinations(destinations)
-        value = to_tensor(tensor, "tensor", "broadcast_to")
-        return _wrap(self.broadcast_to_devices(value, devices), devices)
+        return batch.broadcast(LocalCommunicator(self), tensor, destinations)
 
     def reduce_packed(self, reduce_op: ReduceOp, per_replica: Sequence[Sequence[torch.Tensor]],
                       destinations: Sequence[tuple[Device, ...]], bytes_per_pack: int
@@ -230,23 +142,6 @@ class CrossDeviceOps(abc.ABC):
                 for m, part in zip(members, packing.unpack(flat, like), strict=True):
                     out[m].append(part)
         return out
-
-
-def _mean(total: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
-    promote = mean_dtype(dtype)
-    if promote == total.dtype:
-        return total.div_(n)
-    return total.to(promote).div_(n)
-
-
-def _check_alike(components: Sequence[torch.Tensor], where: str) -> None:
-    first = components[0]
-    if first.dtype == torch.bool:
-        raise TypeError(f"cannot reduce bool tensors (at {where}); cast them first")
-    if any(c.shape != first.shape or c.dtype != first.dtype for c in components):
-        listing = "; ".join(f"replica {i}: {describe(c)}" for i, c in enumerate(components))
-        raise ValueError(f"reduce_to needs components of one shape and dtype at {where}; got "
-                         f"{listing}")
 
 
 @final

@@ -1,0 +1,197 @@
+"""``ReplicaContext.all_reduce``: prepared on each replica's thread (leaves planned and
+reduced over ``axis`` locally), combined once by the last replica to arrive (every
+replica's partials through the communicator, fused into packs), finished on each
+replica's thread (MEAN division and promotion). Differentiable: the backward pass
+is an all-reduce too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .. import pytree
+from ..options import CommunicationOptions
+from ..reduce_op import ReduceOp
+from ..reduction import (
+    LeafPlan,
+    finish,
+    masked_shape,
+    no_elements_message,
+    normalize_axis,
+    op_title,
+    plan_leaf,
+    prepare,
+)
+from ..runtime.rendezvous import Arrival, CallSpec, CollectiveFailure
+from .call import paths_of, refuse_in_merge_fn, tensors_of, with_paths
+from .parts import Parts
+
+__all__ = ["AllReduce", "all_reduce"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Payload:
+    partials: list[torch.Tensor]
+    counts: list[int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Result:
+    totals: list[torch.Tensor]
+    counts: list[int] | None  # global element counts, for an axis
+
+
+class AllReduce:
+    """One replica's side of one all-reduce: the plan, the exchange, the finish.
+
+    Kept by the autograd function, whose backward pass needs the plan (dims, global
+    counts) to route the gradient.
+    """
+
+    def __init__(self, parts: Parts, index: int, op: ReduceOp, axes: tuple[int, ...] | None,
+                 options: CommunicationOptions, title: str, site: str, value: Any) -> None:
+        self.parts = parts
+        self.index = index
+        self.op = op
+        self.axes = axes
+        self.options = options
+        self.title = title
+        self.site = site
+        self.value = value
+        self.plans: list[LeafPlan] = []
+        self.global_counts: list[int] | None = None
+
+    def forward(self, tensors: Sequence[torch.Tensor], spec: pytree.PyTreeSpec
+                ) -> list[torch.Tensor]:
+        title, op, axes = self.title, self.op, self.axes
+        self.plans = with_paths(self.value, len(tensors), lambda wheres: [
+            plan_leaf(title, op, t, axes, w) for t, w in zip(tensors, wheres, strict=True)])
+        prepared = [prepare(p, t) for p, t in zip(self.plans, tensors, strict=True)]
+        dtypes = tuple(t.dtype for t in tensors)
+        if axes is None:
+            shapes = tuple(tuple(t.shape) for t in tensors)
+        else:
+            shapes = tuple(masked_shape(t.shape, p.dims or ())
+                           for t, p in zip(tensors, self.plans, strict=True))
+        call = CallSpec(title, self.site, (title, spec, shapes, dtypes), spec,
+                        tuple(zip(dtypes, (tuple(t.shape) for t in tensors), strict=True)),
+                        self.value)
+        payload = _Payload([p for p, _ in prepared], [c for _, c in prepared])
+        result = self.parts.runtime.exchange(self.index, Arrival(call, payload, self._combine),
+                                             self.options.timeout_seconds)
+        self.global_counts = result.counts
+        n = self.parts.topology.num_replicas_in_sync
+        return [finish(plan, total, n if result.counts is None else result.counts[k],
+                       in_place=True)
+                for k, (plan, total) in enumerate(zip(self.plans, result.totals, strict=True))]
+
+    def _combine(self, payloads: Sequence[_Payload]) -> list[_Result]:
+        topology = self.parts.topology
+        counts: list[int] | None = None
+        if self.axes is not None:
+            counts = self.parts.communicators.for_options(self.options).sum_counts(
+                [p.counts for p in payloads]) if topology.num_replicas_in_sync > 1 else list(
+                payloads[0].counts)
+            if self.op in (ReduceOp.MIN, ReduceOp.MAX) and 0 in counts:
+                where = paths_of(self.value)[counts.index(0)]
+                raise CollectiveFailure(ValueError, no_elements_message(self.title, where))
+        if topology.num_replicas_in_sync == 1:
+            # One replica: a copy on the value's own device (the default strategy's device
+            # is whatever the caller's is, so no communicator is involved).
+            return [_Result([p.clone() for p in payloads[0].partials], counts)]
+        devices = topology.devices
+        base_op = ReduceOp.SUM if self.op is ReduceOp.MEAN else self.op
+        communicator = self.parts.communicators.for_options(self.options)
+        first = payloads[0].partials
+        reduced = communicator.reduce_packed(base_op, [p.partials for p in payloads],
+                                             [devices] * len(first), self.options.bytes_per_pack)
+        return [_Result([per_value[r] for per_value in reduced], counts)
+                for r in range(len(payloads))]
+
+
+class _AllReduceFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, job: AllReduce, spec: pytree.PyTreeSpec, *tensors: torch.Tensor
+                ) -> tuple[torch.Tensor, ...]:
+        outputs = job.forward(tensors, spec)
+        ctx.job = job
+        ctx.shapes = [t.shape for t in tensors]
+        ctx.outputs = [(t.shape, t.dtype, t.device) for t in outputs]
+        if job.op in (ReduceOp.MIN, ReduceOp.MAX):
+            ctx.save_for_backward(*tensors, *outputs)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        job: AllReduce = ctx.job
+        n_in = len(ctx.shapes)
+        upstream = zeros_for_none(grads, ctx.outputs)
+        dims = [p.dims or () for p in job.plans]
+        if job.op in (ReduceOp.MIN, ReduceOp.MAX):
+            # The gradient goes to the elements that attain the extreme, split evenly
+            # among ties across replicas (as torch.amin/amax do within one tensor).
+            saved = ctx.saved_tensors
+            masks = [(x == _expand(out, d, x.shape)).to(g.dtype)
+                     for x, out, d, g in zip(saved[:n_in], saved[n_in:], dims, upstream,
+                                             strict=True)]
+            ties = [m.sum(dim=d, dtype=m.dtype) if d else m
+                    for m, d in zip(masks, dims, strict=True)]
+            summed = gradient_all_reduce(job.parts, job.index, job.options, job.site,
+                                         f"gradient of {job.title}", [*upstream, *ties])
+            return (None, None, *(_expand(g / t.clamp(min=1), d, shape) * m
+                                  for g, t, d, shape, m in zip(summed[:n_in], summed[n_in:], dims,
+                                                               ctx.shapes, masks, strict=True)))
+        total = gradient_all_reduce(job.parts, job.index, job.options, job.site,
+                                    f"gradient of {job.title}", upstream)
+        result = []
+        for k in range(n_in):
+            g = total[k]
+            if job.op is ReduceOp.MEAN:
+                counts = job.global_counts
+                g = g / (job.parts.topology.num_replicas_in_sync if counts is None
+                         else counts[k])
+            result.append(_expand(g, dims[k], ctx.shapes[k]))
+        return (None, None, *result)
+
+
+def zeros_for_none(grads: Sequence[torch.Tensor | None],
+                   outputs: Sequence[tuple[torch.Size, torch.dtype, torch.device]]
+                   ) -> list[torch.Tensor]:
+    """Upstream gradients, with zeros for outputs that got none."""
+    return [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+            for g, (shape, dtype, device) in zip(grads, outputs, strict=True)]
+
+
+def _expand(g: torch.Tensor, dims: Sequence[int], shape: torch.Size) -> torch.Tensor:
+    for d in sorted(dims):
+        g = g.unsqueeze(d)
+    return g.expand(shape)
+
+
+def gradient_all_reduce(parts: Parts, index: int, options: CommunicationOptions, site: str,
+                        title: str, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The SUM all-reduce of a backward pass (itself a collective of every replica)."""
+    refuse_in_merge_fn(parts, title, site)
+    job = AllReduce(parts, index, ReduceOp.SUM, None, options, title, site, grads)
+    return job.forward(grads, pytree.flatten(grads)[1])
+
+
+def all_reduce(parts: Parts, index: int, reduce_op: ReduceOp | str, value: Any,
+               options: CommunicationOptions | None, axis: Any, site: str) -> Any:
+    """`ReplicaContext.all_reduce` of local replica ``index``; see its docstring."""
+    op = ReduceOp.from_value(reduce_op)
+    axes = normalize_axis(axis)
+    merged = parts.options.merge(options)
+    title = op_title("all_reduce", op, axes)
+    refuse_in_merge_fn(parts, title, site)
+    tensors, spec = tensors_of(value, title)
+    job = AllReduce(parts, index, op, axes, merged, title, site, value)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        outputs = list(_AllReduceFunction.apply(job, spec, *tensors))  # type: ignore[no-untyped-call]
+    else:
+        outputs = job.forward(tensors, spec)
+    return pytree.unflatten(spec, outputs)

@@ -1,0 +1,74 @@
+"""What every replica-context collective shares: the call site, the conversion of a
+nest to this replica's tensors, and the refusals (inside a ``merge_fn``)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from .. import context, pytree
+from ..values import DistributedValues, to_tensor
+from .parts import Parts
+
+__all__ = ["call_site", "paths_of", "refuse_in_merge_fn", "tensors_of", "with_paths"]
+
+T = TypeVar("T")
+
+
+_LIBRARY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def call_site(depth: int) -> str:
+    """``file.py:line`` of the frame ``depth`` levels above the caller, or of the first
+    frame above it outside this library (so a collective made by the library for the
+    user, e.g. in ``compute_average_loss``, names the user's line)."""
+    frame = sys._getframe(depth + 1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_LIBRARY):
+        frame = frame.f_back
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+def paths_of(value: Any) -> list[str]:
+    """The printable path of every leaf of ``value`` (``value['a'][0]``)."""
+    return [pytree.format_path(path) for path in pytree.flatten_with_path(value)[0]]
+
+
+def with_paths(value: Any, n: int, plan: Callable[[Sequence[str]], T]) -> T:
+    """``plan(wheres)`` with placeholder paths, redone with the real paths of ``value``
+    if it raises, so that only error messages pay for computing paths."""
+    try:
+        return plan(["value"] * n)
+    except (TypeError, ValueError):
+        return plan(paths_of(value))
+
+
+def tensors_of(value: Any, title: str) -> tuple[list[torch.Tensor], pytree.PyTreeSpec]:
+    """This replica's leaves of ``value`` as tensors, and its structure.
+
+    Raises:
+        TypeError: a distributed value, or a leaf that is not a tensor, number or array.
+    """
+    leaves, spec = pytree.flatten(value)
+    tensors = []
+    for k, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor):
+            where = paths_of(value)[k]
+            if isinstance(leaf, DistributedValues):
+                raise TypeError(
+                    f"{title} takes this replica's own tensors; got a {type(leaf).__name__} at "
+                    f"{where}. Pass values from inside strategy.run")
+            leaf = to_tensor(leaf, where, title)
+        tensors.append(leaf)
+    return tensors, spec
+
+
+def refuse_in_merge_fn(parts: Parts, title: str, site: str) -> None:
+    """Collectives (and backward passes through them) cannot run inside a merge_fn."""
+    if parts.topology.num_replicas_in_sync > 1 and context.in_merge_fn_of_run():
+        raise RuntimeError(
+            f"{title} at {site} was called inside a merge_fn; collectives, and backward "
+            "passes through them, must run in the replicas, not in merge_fn")

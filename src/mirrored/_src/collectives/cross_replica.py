@@ -1,0 +1,163 @@
+"""``strategy.reduce`` and ``strategy.gather``: cross-replica reductions of values that
+hold one component per local replica, through the strategy's communicator.
+
+Every per-replica leaf of a nest is planned and prepared (reduced over ``axis``
+locally), all of them travel in one fused ``reduce_packed`` call to the current
+device, and each total is finished (MEAN division, promotion). Results are
+detached: a cross-replica result is a value to report, not part of a replica's
+autograd graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import pytree
+from ..devices import Device, current_device
+from ..reduce_op import ReduceOp
+from ..reduction import (
+    LeafPlan,
+    check_dtype,
+    finish,
+    leaf_dims,
+    masked_shape,
+    no_elements_message,
+    normalize_axis,
+    op_title,
+    plan_components,
+    prepare,
+)
+from ..values import DistributedValues, Mirrored, PerReplica, to_tensor
+from .parts import Parts
+
+__all__ = ["check_components", "gather", "reduce"]
+
+
+def check_components(parts: Parts, value: DistributedValues[Any], where: str) -> None:
+    """A distributed value must have one component per local replica.
+
+    Raises:
+        ValueError: naming the value, its component count and the replicas.
+    """
+    topology = parts.topology
+    if len(value.values) != topology.num_local_replicas:
+        local = "local " if topology.is_multi_worker else ""
+        raise ValueError(
+            f"{where} is a {type(value).__name__} with {len(value.values)} components "
+            f"but this strategy has {topology.num_local_replicas} {local}replicas "
+            f"({', '.join(d.short_name for d in topology.devices)}); build it with "
+            "strategy.run or experimental_distribute_values_from_function")
+
+
+def _destination(device: torch.device) -> tuple[Device, ...]:
+    """The replica device results are combined on for ``device`` (the host for the
+    CPU and for devices no replica can be on, like ``meta``)."""
+    return (Device("GPU", device.index or 0) if device.type == "cuda" else Device("CPU", 0),)
+
+
+def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return tensor if tensor.device == device else tensor.to(device)
+
+
+def _detached(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach() if tensor.requires_grad else tensor
+
+
+def reduce(parts: Parts, reduce_op: ReduceOp | str, value: Any, axis: Any) -> Any:
+    """`Strategy.reduce`; see its docstring."""
+    op = ReduceOp.from_value(reduce_op)
+    axes = normalize_axis(axis)
+    device = current_device()
+    topology = parts.topology
+    n_local = topology.num_local_replicas
+    title = op_title("reduce", op, axes, show_none=True)
+    paths, leaves, spec = pytree.flatten_with_path(value)
+    out: list[Any] = [None] * len(leaves)
+    jobs: list[tuple[int, LeafPlan, list[torch.Tensor], list[int]]] = []
+    for k, (path, leaf) in enumerate(zip(paths, leaves, strict=True)):
+        where = pytree.format_path(path)
+        if isinstance(leaf, DistributedValues):
+            check_components(parts, leaf, where)
+        if isinstance(leaf, PerReplica):
+            components = [_detached(to_tensor(v, where, "reduce")) for v in leaf.values]
+        else:
+            first = leaf.values[0] if isinstance(leaf, Mirrored) else leaf
+            tensor = _detached(to_tensor(first, where, "reduce"))
+            if axes is None and (topology.follows_caller or topology.num_replicas_in_sync > 1):
+                # Without an axis a value that is not per-replica is already the result
+                # (MEAN, MIN, MAX); with one replica of an explicit strategy it *is* the
+                # replica's value (so MEAN promotes, as for a PerReplica).
+                check_dtype(title, op, tensor.dtype, where)
+                if op is ReduceOp.SUM and topology.num_replicas_in_sync > 1:
+                    raise ValueError(
+                        f"{title} got a value that is not per-replica at {where} "
+                        f"({type(leaf).__name__}); a value that is not per-replica cannot be "
+                        f"summed across {topology.num_replicas_in_sync} replicas; wrap it with "
+                        "experimental_distribute_values_from_function or run")
+                out[k] = _to(tensor, device)
+                continue
+            components = [tensor] * n_local  # with an axis: given to every replica
+        plan = plan_components(title, op, components, axes, topology.labels, where)
+        prepared = [prepare(plan, c) for c in components]
+        jobs.append((k, plan, [p for p, _ in prepared], [c for _, c in prepared]))
+    if jobs:
+        communicator = parts.communicators.default
+        counts: list[int] | None = None
+        if any(plan.counts for _, plan, _, _ in jobs):
+            counts = communicator.sum_counts([list(c) for c in zip(
+                *(job[3] for job in jobs), strict=True)])
+        destination = _destination(device)
+        totals = communicator.reduce_packed(
+            jobs[0][1].base_op, list(zip(*(job[2] for job in jobs), strict=True)),
+            [destination] * len(jobs), parts.options.bytes_per_pack)
+        for j, ((k, plan, _, _), total) in enumerate(zip(jobs, totals, strict=True)):
+            divisor = topology.num_replicas_in_sync if counts is None else counts[j]
+            if plan.dims is not None and plan.op in (ReduceOp.MIN, ReduceOp.MAX) and not divisor:
+                raise ValueError(no_elements_message(title, pytree.format_path(paths[k])))
+            out[k] = _to(finish(plan, total[0], divisor, in_place=True), device)
+    return pytree.unflatten(spec, out)
+
+
+def gather(parts: Parts, value: Any, axis: int) -> Any:
+    """`Strategy.gather`; see its docstring."""
+    if isinstance(axis, bool) or not isinstance(axis, int):
+        raise TypeError(f"gather: axis must be an int; got {type(axis).__name__} {axis!r}")
+    title = f"gather(axis={axis})"
+    device = current_device()
+    destination = _destination(device)
+    paths, leaves, spec = pytree.flatten_with_path(value)
+    out = []
+    for path, leaf in zip(paths, leaves, strict=True):
+        if not isinstance(leaf, DistributedValues):
+            out.append(leaf)
+            continue
+        where = pytree.format_path(path)
+        check_components(parts, leaf, where)
+        components = [_detached(to_tensor(v, where, "gather")) for v in leaf.values]
+        _check_gather(title, components, axis, parts.topology.labels, where)
+        dim = axis % components[0].dim()
+        copies, _ = parts.communicators.default.gather(components, dim, destination)
+        out.append(_to(copies[0], device))
+    return pytree.unflatten(spec, out)
+
+
+def _check_gather(title: str, components: list[torch.Tensor], axis: int,
+                  labels: tuple[str, ...], where: str) -> None:
+    first = components[0]
+    listing = "; ".join(f"{label}: {str(c.dtype).removeprefix('torch.')}{list(c.shape)}"
+                        for label, c in zip(labels, components, strict=True))
+    check_dtype(title, None, first.dtype, where)
+    if any(c.dtype != first.dtype for c in components):
+        raise ValueError(f"{title} needs components of one dtype at {where}; got {listing}")
+    if any(c.dim() == 0 for c in components):
+        raise ValueError(f"{title} cannot concatenate rank-0 values at {where} ({listing}); "
+                         "give each a dimension first, e.g. x[None]")
+    if any(c.dim() != first.dim() for c in components):
+        raise ValueError(f"{title} needs components of one rank at {where}; got {listing}")
+    (dim,) = leaf_dims(title, first.shape, (axis,), where)
+    if any(masked_shape(c.shape, (dim,)) != masked_shape(first.shape, (dim,))
+           for c in components):
+        raise ValueError(f"{title} needs components that differ only along axis {axis} at "
+                         f"{where}; got {listing}")

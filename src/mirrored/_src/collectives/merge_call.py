@@ -1,0 +1,59 @@
+"""``ReplicaContext.merge_call``: every replica pauses, replica 0's ``merge_fn`` runs
+once in cross-replica context on the regrouped arguments (on the thread of the last
+replica to arrive, under the caller's device), and replica ``i`` receives
+component ``i`` of the result."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .. import context, pytree
+from ..runtime.rendezvous import Arrival, CallSpec
+from ..values import DistributedValues, regroup, select_replica
+from .call import refuse_in_merge_fn
+from .parts import Parts
+
+__all__ = ["merge_call"]
+
+_Payload = tuple[Callable[..., Any], Sequence[Any], dict[str, Any]]
+
+
+def merge_call(parts: Parts, index: int, merge_fn: Callable[..., Any], args: Sequence[Any],
+               kwargs: dict[str, Any] | None, site: str) -> Any:
+    """`ReplicaContext.merge_call` of local replica ``index``; see its docstring."""
+    if not callable(merge_fn):
+        raise TypeError(f"merge_call needs a callable merge_fn; got {type(merge_fn).__name__}")
+    if not isinstance(args, tuple | list):
+        raise ValueError(f"merge_call(merge_fn, args=...) takes a tuple or list; got "
+                        f"{type(args).__name__}")
+    kwargs = {} if kwargs is None else kwargs
+    strategy = parts.strategy
+    topology = parts.topology
+
+    def combine(payloads: Sequence[_Payload]) -> list[Any]:
+        n = len(payloads)
+        merged_args, merged_kwargs = regroup([(p[1], p[2]) for p in payloads],
+                                             topology.device_names)
+        # merge_fn sees the caller's device, whichever replica's thread runs it.
+        with context.in_merge_fn(strategy), torch.device(parts.runtime.caller_device):
+            result = payloads[0][0](strategy, *merged_args, **merged_kwargs)
+        leaves, spec = pytree.flatten(result)
+        for k, leaf in enumerate(leaves):
+            if isinstance(leaf, DistributedValues) and len(leaf.values) != n:
+                where = pytree.format_path(pytree.flatten_with_path(result)[0][k], "result")
+                raise ValueError(f"merge_fn returned a {type(leaf).__name__} with "
+                                 f"{len(leaf.values)} components at {where}, but there are "
+                                 f"{n} local replicas")
+        return [pytree.unflatten(spec, select_replica(r, leaves)) for r in range(n)]
+
+    if topology.num_local_replicas == 1:
+        with context.in_merge_fn(strategy):
+            return merge_fn(strategy, *args, **kwargs)
+    refuse_in_merge_fn(parts, "merge_call", site)
+    call = CallSpec("merge_call", site, ("merge_call",))
+    payload: _Payload = (merge_fn, tuple(args), kwargs)
+    return parts.runtime.exchange(index, Arrival(call, payload, combine),
+                                  parts.options.timeout_seconds)

@@ -1,0 +1,268 @@
+"""`Strategy`: the one strategy class, assembled from parts (topology, runtime,
+communicators, options) by the public constructors (`MirroredStrategy`,
+`OneDeviceStrategy`, the default strategy). Subclasses only assemble: they may
+define ``__init__`` and ``__repr__``, never override behaviour.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .. import context, pytree
+from ..collectives import cross_replica
+from ..collectives.parts import Parts
+from ..comm.selection import CommunicatorSelector
+from ..options import CommunicationOptions
+from ..reduce_op import ReduceOp
+from ..runtime.runtime import Runtime
+from ..runtime.topology import Topology
+from ..values import DistributedValues, PerReplica, ValueContext, regroup, select_replica
+from .extended import StrategyExtended
+from .replica_context import ReplicaContext
+
+__all__ = ["Strategy"]
+
+_ASSEMBLY_ONLY = frozenset({"__init__", "__repr__", "__doc__", "__module__", "__qualname__",
+                            "__firstlineno__", "__static_attributes__", "__annotations__",
+                            "__orig_bases__", "__parameters__", "__final__"})
+
+
+class Strategy:
+    """Synchronous data parallelism over a `Topology` of replicas. Construct
+    `MirroredStrategy`, `OneDeviceStrategy` or use `get_strategy()`.
+
+    Args:
+        topology: where the replicas are.
+        runtime: runs the replicas and lets them meet.
+        communicators: moves data between replicas (per communication options).
+        options: default options of every collective.
+        raw_single_values: `experimental_distribute_values_from_function` returns the
+            raw value, not a `PerReplica` (TF's `OneDeviceStrategy` and default strategy).
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        overridden = sorted(set(vars(cls)) - _ASSEMBLY_ONLY)
+        if overridden:
+            raise TypeError(f"{cls.__name__} may only assemble a Strategy (define __init__ "
+                            f"and __repr__); it overrides {', '.join(overridden)}")
+
+    def __init__(self, *, topology: Topology, runtime: Runtime,
+                 communicators: CommunicatorSelector, options: CommunicationOptions,
+                 raw_single_values: bool = False) -> None:
+        self._parts = Parts(strategy=self, name=type(self).__name__, topology=topology,
+                            runtime=runtime, communicators=communicators, options=options)
+        self._contexts = tuple(ReplicaContext(self._parts, i)
+                               for i in range(topology.num_local_replicas))
+        self._extended = StrategyExtended(self._parts)
+        self._raw_single_values = raw_single_values
+        weakref.finalize(self, runtime.close)
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """How many replicas run each step, across every worker."""
+        return self._parts.topology.num_replicas_in_sync
+
+    @property
+    def extended(self) -> StrategyExtended:
+        """Lower-level members (`StrategyExtended`)."""
+        return self._extended
+
+    @property
+    def cluster_resolver(self) -> None:
+        """``None``: single-process strategies have no cluster."""
+        return None
+
+    @property
+    def default_replica_context(self) -> ReplicaContext | None:
+        """The replica context code outside ``run`` is in: the default strategy's only."""
+        return self._contexts[0] if self._parts.topology.follows_caller else None
+
+    def scope(self) -> contextlib.AbstractContextManager[Strategy]:
+        """Makes this strategy current for the enclosed code (cross-replica context).
+
+        Raises:
+            RuntimeError: entered inside the scope of a different (non-default) strategy.
+        """
+        return context.enter_scope(self)
+
+    def close(self) -> None:
+        """Stops the replica threads; also done when the strategy is garbage collected.
+
+        Raises:
+            RuntimeError: called inside ``run`` (a replica or a merge_fn).
+        """
+        if context.in_run():
+            raise RuntimeError(f"{self._parts.name}.close cannot be called inside run (a "
+                               "replica or a merge_fn); call it after run returns")
+        self._parts.runtime.close()
+
+    def __repr__(self) -> str:
+        names = ", ".join(repr(d.short_name) for d in self._parts.topology.devices)
+        return f"{self._parts.name}(devices=[{names}])"
+
+    def _require_cross_replica(self, method: str) -> None:
+        if not self._parts.topology.follows_caller and context.current_replica_context():
+            raise RuntimeError(
+                f"{self._parts.name}.{method} requires cross-replica context; use "
+                "get_replica_context().merge_call() or call it outside strategy.run")
+
+    def _check_all(self, tree: Any) -> tuple[list[Any], pytree.PyTreeSpec, bool]:
+        leaves, spec = pytree.flatten(tree)
+        n = self._parts.topology.num_local_replicas
+        distributed = False
+        for index, leaf in enumerate(leaves):
+            if isinstance(leaf, DistributedValues):
+                distributed = True
+                if len(leaf.values) != n:
+                    path = pytree.flatten_with_path(tree)[0][index]
+                    root, path = ("args", path[1:]) if path[0] == 0 else ("kwargs", path[1:])
+                    cross_replica.check_components(self._parts, leaf,
+                                                   pytree.format_path(path, root))
+        return leaves, spec, distributed
+
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (),
+            kwargs: dict[str, Any] | None = None, options: Any = None) -> Any:
+        """Runs ``fn(*args, **kwargs)`` once per replica, concurrently, in replica context.
+
+        Each `PerReplica`/`Mirrored` leaf of ``args``/``kwargs`` is replaced by the
+        replica's own component; other leaves go to every replica. Results are
+        regrouped: leaves that differ become `PerReplica` (one replica: the plain result).
+        ``options`` is accepted for TF compatibility and unused.
+
+        Raises:
+            ValueError: ``args`` is not a tuple or list (as SPEC and TF); a distributed
+                argument with the wrong number of components; replicas returned
+                different structures.
+            TypeError: ``kwargs`` is not a dict.
+            RuntimeError: called inside another ``run``.
+            Exception: whatever a replica raised, with the replica named in a note.
+
+        Example:
+            >>> import torch, mirrored
+            >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> x = strategy.experimental_distribute_values_from_function(
+            ...     lambda ctx: torch.tensor(float(ctx.replica_id_in_sync_group)))
+            >>> strategy.run(lambda v: v * 10, args=(x,))
+            PerReplica:{0: tensor(0.), 1: tensor(10.)}
+        """
+        topology = self._parts.topology
+        if not topology.follows_caller and context.in_run():
+            raise RuntimeError(
+                f"{self._parts.name}.run cannot be called inside a replica (from the fn of "
+                "another run, or from a merge_fn); call the inner function directly")
+        if not isinstance(args, tuple | list):
+            raise ValueError(f"run(fn, args=...) takes a tuple or list of positional arguments; "
+                            f"got {type(args).__name__}. Write args=(x,) for a single argument")
+        if kwargs is None:
+            kwargs = {}
+        elif not isinstance(kwargs, dict):
+            raise TypeError(f"run(fn, kwargs=...) takes a dict; got {type(kwargs).__name__}")
+        distributed = False
+        if args or kwargs:
+            leaves, spec, distributed = self._check_all((tuple(args), kwargs))
+        contexts = self._contexts
+
+        def call(i: int) -> Any:
+            a, k = pytree.unflatten(spec, select_replica(i, leaves)) if distributed else (
+                args, kwargs)
+            with context.in_replica(self, contexts[i]):
+                return fn(*a, **k)
+
+        results = self._parts.runtime.run(call)
+        return regroup(results, topology.device_names)
+
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: Any = None) -> Any:
+        """Reduces ``value`` across replicas (and over ``axis``) onto the current device.
+
+        ``axis=None`` combines replicas element-wise (shapes must match). With an
+        ``axis`` (int, negative, tuple or list) each component is first reduced over
+        it; MEAN is then the global sum over the global element count, exact for
+        uneven batches. Nests are reduced leaf by leaf. Without an axis a value that is
+        not per-replica is returned as is by MEAN, MIN and MAX. Results are detached.
+
+        Raises:
+            ValueError: mismatched components, bad axis, SUM of a value that is not
+                per-replica, MIN/MAX of no elements.
+            TypeError: ``reduce_op`` or ``axis`` of the wrong type; bool tensors.
+            RuntimeError: called in replica context.
+
+        Example:
+            >>> import torch, mirrored
+            >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> v = mirrored.PerReplica([torch.tensor([0., 1, 2, 3]), torch.tensor([4., 5])])
+            >>> strategy.reduce("MEAN", v, axis=0)
+            tensor(2.5000)
+        """
+        self._require_cross_replica("reduce")
+        return cross_replica.reduce(self._parts, reduce_op, value, axis)
+
+    def gather(self, value: Any, axis: int) -> Any:
+        """Concatenates the components along ``axis`` in replica order onto the current
+        device; sizes may differ along ``axis`` only. Nests leaf by leaf; a value that
+        is not distributed is returned as is.
+
+        Example:
+            >>> import torch, mirrored
+            >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> v = mirrored.PerReplica([torch.tensor([1, 2]), torch.tensor([3])])
+            >>> strategy.gather(v, axis=0)
+            tensor([1, 2, 3])
+        """
+        self._require_cross_replica("gather")
+        return cross_replica.gather(self._parts, value, axis)
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """This worker's components of ``value``, one per local replica: for a nest, one
+        nest per replica; a value with no distributed leaf, once per replica (as TF).
+
+        Example:
+            >>> import torch, mirrored
+            >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> v = mirrored.PerReplica([torch.tensor(0), torch.tensor(1)])
+            >>> strategy.experimental_local_results({"x": v, "y": 2})
+            ({'x': tensor(0), 'y': 2}, {'x': tensor(1), 'y': 2})
+        """
+        n = self._parts.topology.num_local_replicas
+        if isinstance(value, DistributedValues):
+            cross_replica.check_components(self._parts, value, "value")
+            return value.values
+        leaves, spec = pytree.flatten(value)
+        for k, leaf in enumerate(leaves):
+            if isinstance(leaf, DistributedValues):
+                cross_replica.check_components(
+                    self._parts, leaf, pytree.format_path(pytree.flatten_with_path(value)[0][k]))
+        return tuple(pytree.unflatten(spec, select_replica(i, leaves)) for i in range(n))
+
+    def experimental_distribute_values_from_function(
+            self, value_fn: Callable[[ValueContext], Any]) -> Any:
+        """Calls ``value_fn(ValueContext)`` once per local replica in replica order and
+        returns a `PerReplica` (a nest of them for a nest; also for ``None`` results and
+        one replica). Tensors move to each replica's device.
+
+        Example:
+            >>> import torch, mirrored
+            >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> strategy.experimental_distribute_values_from_function(
+            ...     lambda ctx: torch.tensor(ctx.replica_id_in_sync_group * 2))
+            PerReplica:{0: tensor(0), 1: tensor(2)}
+        """
+        topology = self._parts.topology
+        values = []
+        for i, device in enumerate(topology.devices):
+            value = value_fn(ValueContext(topology.replica_ids[i], topology.num_replicas_in_sync))
+            if device.kind != "CPU":
+                value = pytree.tree_map(lambda x, t=topology.torch_devices[i]: x.to(t) if
+                                        isinstance(x, torch.Tensor) else x, value)
+            values.append(value)
+        if self._raw_single_values:
+            return values[0]
+        if all(v is None for v in values):
+            return PerReplica._from_trusted(tuple(values), topology.device_names)
+        return regroup(values, topology.device_names, collapse_identical=False,
+                       always_per_replica=True)

@@ -83,8 +83,27 @@ def _is_leaf(x: Any) -> bool:
     return leaf
 
 
+# Leaf types seen that need no registration: the fast path flattens in C, without a
+# Python is_leaf callback per node, and only falls back when a new type shows up.
+_plain_types: set[type] = set()
+
+
+def _all_registered(leaves: list[Any]) -> bool:
+    """Whether no leaf is an instance of a dataclass still to be registered as a node."""
+    new = {type(leaf) for leaf in leaves} - _plain_types
+    for cls in new:
+        if dataclasses.is_dataclass(cls) and cls not in _registered and not issubclass(
+                cls, _leaf_types):
+            return False
+        _plain_types.add(cls)
+    return True
+
+
 def flatten(tree: Any) -> tuple[list[Any], PyTreeSpec]:
     """Returns the leaves of ``tree`` in a fixed order and its structure."""
+    leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
+    if _all_registered(leaves):
+        return leaves, spec
     return optree.tree_flatten(tree, is_leaf=_is_leaf, namespace=NAMESPACE)
 
 
@@ -95,12 +114,17 @@ def unflatten(spec: PyTreeSpec, leaves: Sequence[Any]) -> Any:
 
 def flatten_with_path(tree: Any) -> tuple[list[tuple[Any, ...]], list[Any], PyTreeSpec]:
     """Like `flatten`, with the path (tuple of keys) of each leaf."""
-    return optree.tree_flatten_with_path(tree, is_leaf=_is_leaf, namespace=NAMESPACE)
+    flatten(tree)  # registers the dataclasses inside
+    return optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
 
 
 def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
     """Applies ``fn`` leaf-wise to ``tree`` and trees of the same structure."""
-    return optree.tree_map(fn, tree, *rest, is_leaf=_is_leaf, namespace=NAMESPACE)
+    leaves, spec = flatten(tree)
+    if not rest:
+        return optree.tree_unflatten(spec, [fn(leaf) for leaf in leaves])
+    others = [spec.flatten_up_to(other) for other in rest]
+    return optree.tree_unflatten(spec, [fn(*xs) for xs in zip(leaves, *others, strict=True)])
 
 
 def format_path(path: Sequence[Any], root: str = "value") -> str:

@@ -200,14 +200,28 @@ class LeafPlan:
         return self.dims is not None and self.op is not ReduceOp.SUM
 
 
+_plans: dict[tuple[ReduceOp, torch.dtype, int, tuple[int, ...] | None], LeafPlan] = {}
+
+
 def plan_leaf(title: str, op: ReduceOp, tensor: torch.Tensor, axes: tuple[int, ...] | None,
               where: str) -> LeafPlan:
-    """Plans the reduction of one replica's ``tensor`` (checks dtype and axis)."""
+    """Plans the reduction of one replica's ``tensor`` (checks dtype and axis).
+
+    Plans depend only on the op, dtype, rank and axes, so valid ones are cached
+    (a gradient all-reduce plans hundreds of leaves per step).
+    """
+    key = (op, tensor.dtype, tensor.dim(), axes)
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan
     dtype = tensor.dtype
     check_dtype(title, op, dtype, where)
     dims = None if axes is None else leaf_dims(title, tensor.shape, axes, where)
-    return LeafPlan(op, dims, dtype, sum_dtype(op, dtype),
+    plan = LeafPlan(op, dims, dtype, sum_dtype(op, dtype),
                     mean_dtype(dtype) if op is ReduceOp.MEAN else dtype)
+    if len(_plans) < 4096:
+        _plans[key] = plan
+    return plan
 
 
 def plan_components(title: str, op: ReduceOp, components: Sequence[torch.Tensor],

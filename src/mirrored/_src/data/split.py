@@ -67,12 +67,7 @@ def flatten_batch(batch: Any, what: str = "a batch") -> tuple[list[torch.Tensor]
             tensors.append(to_tensor(leaf, pytree.format_path(path, "batch"),
                                      "distributing a dataset"))
     first = tensors[0]
-    if first.dim() == 0:
-        raise ValueError(
-            f"{what} needs a leading batch dim on every tensor; got a scalar (shape []) at "
-            f"{pytree.format_path(paths[0], 'batch')}"
-        )
-    batch_size = first.shape[0]
+    batch_size = first.shape[0] if first.dim() else -1
     for path, tensor in zip(paths, tensors, strict=True):
         if tensor.dim() == 0 or tensor.shape[0] != batch_size:
             shapes = "; ".join(f"{pytree.format_path(p, 'batch')}: {list(t.shape)}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -217,6 +218,30 @@ def test_thread_ends_when_exhausted_closed_or_dropped() -> None:
     assert ref() is None
     wait_no_prefetch_threads()
     assert threading.active_count() == baseline
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_prefetch_prepares_at_most_depth_steps_ahead(depth: int) -> None:
+    pulled: list[int] = []
+    reached = threading.Event()
+
+    def source() -> Iterator[torch.Tensor]:
+        for i in range(10):
+            pulled.append(i)
+            if len(pulled) == depth + 2:  # step 0 taken, depth queued, one in the producer's hand
+                reached.set()
+            yield torch.full((2,), i)
+
+    it = iter(DistributedDataset(source(), topology(2), options(depth)))
+    assert as_lists(next(it)) == [[0], [0]]
+    if depth == 0:
+        assert pulled == [0]  # nothing is read ahead without a thread
+    else:
+        assert reached.wait(timeout=10)  # read ahead while "the step runs"
+        time.sleep(0.05)
+        assert pulled == list(range(depth + 2))  # and no further
+    assert [as_lists(s)[0][0] for s in it] == list(range(1, 10))
 
 
 @pytest.mark.timeout(30)

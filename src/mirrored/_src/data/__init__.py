@@ -1,0 +1,28 @@
+"""The input side of training: the split rule, distributed datasets, `InputContext` and
+`InputOptions` (SPEC §9)."""
+
+from __future__ import annotations
+
+from .dataset import (
+    DistributedDataset as DistributedDataset,
+)
+from .dataset import (
+    DistributedDatasetsFromFunction as DistributedDatasetsFromFunction,
+)
+from .dataset import (
+    DistributedIterator as DistributedIterator,
+)
+from .input import InputContext as InputContext
+from .input import InputOptions as InputOptions
+from .split import chunk_bounds as chunk_bounds
+from .split import split_batch as split_batch
+
+__all__ = [
+    "DistributedDataset",
+    "DistributedDatasetsFromFunction",
+    "DistributedIterator",
+    "InputContext",
+    "InputOptions",
+    "chunk_bounds",
+    "split_batch",
+]

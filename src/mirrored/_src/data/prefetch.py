@@ -1,0 +1,173 @@
+"""Preparing input steps ahead of the training loop, on one background thread.
+
+A `Prefetcher` runs a generator of prepared steps (read, split, moved) on a
+daemon thread and hands them over through a bounded channel, at most ``depth``
+steps ahead. States of the producer thread::
+
+    running ──put──▶ (channel full) waiting ──consumer takes one──▶ running
+       │ source ends / raises                  │ consumer closes or drops the Prefetcher
+       ▼                                       ▼
+    puts END or the exception, exits        wakes, closes the generator, exits
+
+The thread never holds a reference to the `Prefetcher`, so dropping it runs its
+finalizer, which closes the channel and lets the thread end. A producer busy
+inside the source (a slow read) ends once that read returns. `InlineSteps` is
+the same interface with no thread (prefetch depth 0).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import weakref
+from collections.abc import Generator
+from typing import Any
+
+__all__ = ["InlineSteps", "Prefetcher"]
+
+THREAD_NAME = "mirrored-input-prefetch"
+
+_END = object()
+
+
+class _Failure:
+    """The exception that ended the producer, carried to the consumer."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class _Channel:
+    """A bounded single-producer, single-consumer hand-off that can be closed."""
+
+    def __init__(self, depth: int) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._items: collections.deque[Any] = collections.deque()
+        self._depth = depth
+        self._closed = False
+        self.producer_waiting = False
+
+    def put(self, item: Any) -> bool:
+        """Appends ``item`` once there is room; False (dropping it) if the channel closed."""
+        with self._cond:
+            while len(self._items) >= self._depth and not self._closed:
+                self.producer_waiting = True
+                self._cond.wait()
+                self.producer_waiting = False
+            if self._closed:
+                return False
+            self._items.append(item)
+            self._cond.notify()
+            return True
+
+    def get(self) -> Any:
+        """Takes the oldest item, waiting for one."""
+        with self._cond:
+            while not self._items:
+                self._cond.wait()
+            item = self._items.popleft()
+            self._cond.notify()
+            return item
+
+    def close(self) -> bool:
+        """Drops what is queued and wakes the producer; True if it was waiting for room."""
+        with self._cond:
+            self._closed = True
+            self._items.clear()
+            self._cond.notify_all()
+            return self.producer_waiting
+
+
+def _produce(steps: Generator[Any, None, None], channel: _Channel) -> None:
+    try:
+        try:
+            for step in steps:
+                if not channel.put(step):
+                    return
+        finally:
+            steps.close()
+    except BaseException as error:  # every failure must reach the consumer
+        channel.put(_Failure(error))
+        return
+    channel.put(_END)
+
+
+class Prefetcher:
+    """Runs ``steps`` on a background thread, at most ``depth`` steps ahead of `next_step`.
+
+    Args:
+        steps: a generator of prepared steps; closed when the prefetcher stops.
+        depth: how many prepared steps may wait in the channel (>= 1).
+
+    Example:
+        >>> p = Prefetcher((i * i for i in range(3)), depth=2)
+        >>> [p.next_step() for _ in range(3)]
+        [0, 1, 4]
+        >>> p.next_step()
+        Traceback (most recent call last):
+        ...
+        StopIteration
+    """
+
+    def __init__(self, steps: Generator[Any, None, None], depth: int) -> None:
+        channel = _Channel(depth)
+        self._channel = channel
+        self._done = False
+        self._thread = threading.Thread(target=_produce, args=(steps, channel),
+                                        name=THREAD_NAME, daemon=True)
+        self._thread.start()
+        self._finalizer = weakref.finalize(self, channel.close)
+
+    def next_step(self) -> Any:
+        """The next prepared step.
+
+        Raises:
+            StopIteration: the steps ran out (or the prefetcher was closed).
+            BaseException: whatever ended the steps, re-raised here, once.
+        """
+        if self._done:
+            raise StopIteration
+        item = self._channel.get()
+        if item is _END:
+            self._finish()
+            raise StopIteration
+        if isinstance(item, _Failure):
+            self._finish()
+            raise item.error
+        return item
+
+    def _finish(self) -> None:
+        self._done = True
+        self._finalizer()
+        self._thread.join()  # it has put its last item and is returning
+
+    def close(self) -> None:
+        """Stops the thread: at once if it waits for room, else after its current step."""
+        if self._done:
+            return
+        self._done = True
+        if self._channel.close():
+            self._thread.join()
+        self._finalizer.detach()
+
+
+class InlineSteps:
+    """`Prefetcher`'s interface without a thread: each step is prepared when asked for.
+
+    Example:
+        >>> InlineSteps(i for i in [1, 2]).next_step()
+        1
+    """
+
+    def __init__(self, steps: Generator[Any, None, None]) -> None:
+        self._steps = steps
+
+    def next_step(self) -> Any:
+        """The next step; `StopIteration` at the end; the steps' own errors as they come."""
+        return next(self._steps)
+
+    def close(self) -> None:
+        """Closes the steps' generator."""
+        self._steps.close()

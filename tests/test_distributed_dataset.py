@@ -1,0 +1,473 @@
+"""Distributed datasets, `InputContext` and `InputOptions` (`mirrored._src.data`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import mirrored
+from mirrored._src.data import (
+    DistributedDataset,
+    DistributedDatasetsFromFunction,
+    InputContext,
+    InputOptions,
+    split_batch,
+)
+from mirrored._src.data.prefetch import THREAD_NAME
+from mirrored._src.devices import parse_devices
+from mirrored._src.runtime.topology import Topology
+
+DEPTHS = [0, 1, 2]
+
+
+def topology(n: int = 2, worker_index: int = 0, num_workers: int = 1) -> Topology:
+    return Topology(devices=parse_devices([f"CPU:{i}" for i in range(n)]),
+                    worker_index=worker_index, num_workers=num_workers)
+
+
+def options(depth: int) -> InputOptions:
+    return InputOptions(experimental_prefetch_depth=depth)
+
+
+def prefetch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == THREAD_NAME]
+
+
+def wait_no_prefetch_threads() -> None:
+    for thread in prefetch_threads():
+        thread.join(timeout=10)
+    assert prefetch_threads() == []
+
+
+def as_lists(step: Any) -> list[list[Any]]:
+    return [v.tolist() for v in step.values]
+
+
+def reference(batch: torch.Tensor, n: int) -> list[list[Any]]:
+    return [c.tolist() for c in split_batch(batch, n)]
+
+
+# --- sources ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("depth", DEPTHS)
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_list_source_matches_split_rule_and_reiterates(depth: int, n: int) -> None:
+    topo = topology(n)
+    batches = [torch.arange(s, min(s + 6, 15)) for s in range(0, 15, 6)]  # 6, 6, 3 rows
+    ds = DistributedDataset(batches, topo, options(depth))
+    assert len(ds) == 3
+    for _ in range(2):  # a list is re-iterable
+        steps = list(ds)
+        assert len(steps) == 3
+        for step, batch in zip(steps, batches, strict=True):
+            assert isinstance(step, mirrored.PerReplica)
+            assert step.devices == topo.device_names
+            assert as_lists(step) == reference(batch, n)
+    wait_no_prefetch_threads()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("depth", DEPTHS)
+def test_dataloader_source_with_partial_last_batch(depth: int) -> None:
+    x = torch.arange(13 * 2, dtype=torch.float32).reshape(13, 2)
+    y = torch.arange(13)
+    loader = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=False)
+    ds = DistributedDataset(loader, topology(3), options(depth))
+    assert len(ds) == len(loader) == 4
+    seen_x, seen_y = [], []
+    for step, (bx, by) in zip(ds, loader, strict=True):
+        sx, sy = step  # a list nest of PerReplica, like the loader's batch
+        assert [v.shape[0] for v in sy.values] == [len(c) for c in reference(by, 3)]
+        assert as_lists(sx) == reference(bx, 3)
+        for vx, vy in zip(sx.values, sy.values, strict=True):
+            seen_x.append(vx)
+            seen_y.append(vy)
+    assert torch.equal(torch.cat(seen_x), x) and torch.equal(torch.cat(seen_y), y)
+    assert [v.shape for v in step[0].values] == [(1, 2), (0, 2), (0, 2)]  # last batch: 1 row
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("depth", DEPTHS)
+def test_dict_batches_and_numpy_leaves(depth: int) -> None:
+    def gen() -> Iterator[dict[str, Any]]:
+        for s in (0, 5):
+            yield {"image": np.arange(s, s + 5, dtype=np.float32)[:, None] * [1.0, -1.0],
+                   "label": torch.arange(s, s + 5)}
+
+    ds = DistributedDataset(gen(), topology(2), options(depth))
+    with pytest.raises(TypeError, match=r"source \(generator\) has no len\(\)"):
+        len(ds)
+    steps = list(ds)
+    assert len(steps) == 2
+    for step, s in zip(steps, (0, 5), strict=True):
+        assert set(step) == {"image", "label"}
+        assert as_lists(step["label"]) == [list(range(s, s + 3)), list(range(s + 3, s + 5))]
+        np.testing.assert_array_equal(step["image"].values[1].numpy(),
+                                      np.arange(s + 3, s + 5)[:, None] * [1.0, -1.0])
+        assert step["image"].values[0].dtype == torch.float64
+    assert list(ds) == []  # a generator is one pass: its dataset is too
+
+
+@pytest.mark.timeout(30)
+def test_fetch_to_device_false_keeps_source_tensors() -> None:
+    batch = torch.arange(8.0)
+    ds = DistributedDataset([batch], topology(2), InputOptions(experimental_fetch_to_device=False))
+    (step,) = list(ds)
+    assert step.values[1].data_ptr() == batch.data_ptr() + 4 * batch.element_size()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.timeout(30)
+def test_chunks_move_to_cuda_replicas() -> None:
+    n = min(torch.cuda.device_count(), 2)
+    topo = Topology(devices=parse_devices([f"GPU:{i}" for i in range(n)]))
+    (step,) = list(DistributedDataset([torch.arange(8)], topo))
+    assert [v.device for v in step.values] == list(topo.torch_devices)
+    assert step.devices == topo.device_names
+    assert as_lists(step) == reference(torch.arange(8), n)
+    (kept,) = list(DistributedDataset([torch.arange(8)], topo,
+                                      InputOptions(experimental_fetch_to_device=False)))
+    assert all(v.device.type == "cpu" for v in kept.values)
+
+
+def test_default_strategy_topology_yields_plain_batches() -> None:
+    topo = Topology(devices=parse_devices(["CPU:0"]), follows_caller=True)
+    steps = list(DistributedDataset([{"x": np.arange(3)}], topo, options(0)))
+    assert len(steps) == 1 and isinstance(steps[0]["x"], torch.Tensor)
+    assert steps[0]["x"].tolist() == [0, 1, 2]
+
+
+# --- errors and the prefetch thread -----------------------------------------------------
+
+
+class Boom(KeyError):
+    pass
+
+
+def failing_source(after: int) -> Iterator[torch.Tensor]:
+    for i in range(after):
+        yield torch.full((2,), i)
+    raise Boom("disk gone")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("depth", DEPTHS)
+def test_source_raising_mid_iteration_propagates(depth: int) -> None:
+    it = iter(DistributedDataset(failing_source(2), topology(2), options(depth)))
+    assert as_lists(next(it)) == [[0], [0]]
+    assert as_lists(next(it)) == [[1], [1]]
+    with pytest.raises(Boom, match="disk gone") as info:
+        next(it)
+    assert any(entry.name == "failing_source" for entry in info.traceback)  # the source's frame
+    with pytest.raises(StopIteration):
+        next(it)
+    wait_no_prefetch_threads()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("depth", DEPTHS)
+def test_bad_batch_raises_in_consumer(depth: int) -> None:
+    batches = [torch.zeros(2), {"a": torch.zeros(3)}, (torch.zeros(2), torch.zeros(3, 1))]
+    it = iter(DistributedDataset(batches[2:], topology(2), options(depth)))
+    with pytest.raises(ValueError, match=r"batch 0 of the dataset needs one leading batch dim.*"
+                                         r"batch\[1\] has batch dim 3, not 2 \(shapes: "
+                                         r"batch\[0\]: \[2\]; batch\[1\]: \[3, 1\]\)"):
+        next(it)
+    it = iter(DistributedDataset([torch.zeros(2), torch.tensor(1.0)], topology(2),
+                                 options(depth)))
+    next(it)
+    with pytest.raises(ValueError, match=r"batch 1 of the dataset .* batch has a scalar"):
+        next(it)
+    wait_no_prefetch_threads()
+
+
+@pytest.mark.timeout(30)
+def test_thread_ends_when_exhausted_closed_or_dropped() -> None:
+    baseline = threading.active_count()
+    ds = DistributedDataset(torch.arange(100).reshape(50, 2), topology(2))  # 50 batches of 2
+    # Exhausted.
+    assert len(list(ds)) == 50
+    assert prefetch_threads() == [] and threading.active_count() == baseline
+    # Closed early: the producer stops at its next hand-off.
+    it = iter(ds)
+    next(it)
+    assert len(prefetch_threads()) == 1
+    it.close()
+    wait_no_prefetch_threads()
+    assert threading.active_count() == baseline
+    with pytest.raises(StopIteration):
+        next(it)
+    # Dropped.
+    it = iter(ds)
+    next(it)
+    ref = weakref.ref(it)
+    del it
+    gc.collect()
+    assert ref() is None
+    wait_no_prefetch_threads()
+    assert threading.active_count() == baseline
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_prefetch_prepares_at_most_depth_steps_ahead(depth: int) -> None:
+    pulled: list[int] = []
+    reached = threading.Event()
+
+    def source() -> Iterator[torch.Tensor]:
+        for i in range(10):
+            pulled.append(i)
+            if len(pulled) == depth + 2:  # step 0 taken, depth queued, one in the producer's hand
+                reached.set()
+            yield torch.full((2,), i)
+
+    it = iter(DistributedDataset(source(), topology(2), options(depth)))
+    assert as_lists(next(it)) == [[0], [0]]
+    if depth == 0:
+        assert pulled == [0]  # nothing is read ahead without a thread
+    else:
+        assert reached.wait(timeout=10)  # read ahead while "the step runs"
+        time.sleep(0.05)
+        assert pulled == list(range(depth + 2))  # and no further
+    assert [as_lists(s)[0][0] for s in it] == list(range(1, 10))
+
+
+@pytest.mark.timeout(30)
+def test_close_while_source_blocks_does_not_hang() -> None:
+    release = threading.Event()
+    closed = []
+
+    def slow() -> Iterator[torch.Tensor]:
+        try:
+            yield torch.zeros(2)
+            release.wait(timeout=20)
+            yield torch.ones(2)
+        finally:
+            closed.append(True)
+
+    it = iter(DistributedDataset(slow(), topology(2)))
+    assert as_lists(next(it)) == [[0.0], [0.0]]
+    it.close()  # the producer is inside the source: close must not wait for it
+    assert len(prefetch_threads()) == 1
+    release.set()
+    wait_no_prefetch_threads()
+    assert closed == [True]  # the source generator was closed by the producer
+
+
+# --- distribute_datasets_from_function ---------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("depth", DEPTHS)
+def test_whole_element_rule_runs_out_mid_step(depth: int) -> None:
+    elements = [torch.full((i + 1, 2), float(i)) for i in range(5)]  # sizes 1..5
+    calls: list[InputContext] = []
+
+    def dataset_fn(ctx: InputContext) -> list[torch.Tensor]:
+        calls.append(ctx)
+        return elements
+
+    topo = topology(2)
+    ds = DistributedDatasetsFromFunction(dataset_fn, topo, options(depth))
+    assert calls == [InputContext(1, 0, 2)]
+    assert len(ds) == 3
+    for _ in range(2):  # re-iterable, dataset_fn still called once
+        steps = list(ds)
+        assert len(steps) == 3
+        for k, step in enumerate(steps[:2]):
+            assert step.devices == topo.device_names
+            for r in range(2):
+                assert torch.equal(step.values[r], elements[2 * k + r])
+        assert torch.equal(steps[2].values[0], elements[4])
+        assert steps[2].values[1].shape == (0, 2) and steps[2].values[1].dtype == torch.float32
+    assert len(calls) == 1
+
+
+@pytest.mark.timeout(30)
+def test_whole_element_rule_exact_fit_and_nests() -> None:
+    elements = [{"x": torch.full((2,), i), "y": (torch.ones(2, 3) * i,)} for i in range(6)]
+    steps = list(DistributedDatasetsFromFunction(lambda ctx: iter(elements), topology(3)))
+    assert len(steps) == 2  # 6 elements on 3 replicas: no empty step
+    for k, step in enumerate(steps):
+        assert as_lists(step["x"]) == [[3 * k + r] * 2 for r in range(3)]
+        assert [v[0, 0].item() for v in step["y"][0].values] == [3 * k + r for r in range(3)]
+
+
+def test_whole_element_rule_rejects_mixed_structures_and_bad_fns() -> None:
+    elements = [{"x": torch.zeros(2)}, {"z": torch.zeros(2)}]
+    with pytest.raises(ValueError, match=r"share a structure: at element\['x'\], element 0 "
+                                         r"has a leaf \(Tensor\) but element 1 has nothing"):
+        list(DistributedDatasetsFromFunction(lambda ctx: elements, topology(2), options(0)))
+    with pytest.raises(TypeError, match="dataset_fn must be callable"):
+        DistributedDatasetsFromFunction([torch.zeros(2)], topology(2))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="dataset_fn's result must be an iterable of batches"):
+        DistributedDatasetsFromFunction(lambda ctx: 3, topology(2))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="the dataset must be an iterable of batches"):
+        DistributedDataset(3, topology(2))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="options must be an InputOptions or None; got dict"):
+        DistributedDataset([], topology(2), {"experimental_prefetch_depth": 0})  # type: ignore[arg-type]
+
+
+# --- several workers -----------------------------------------------------------------------
+
+
+class FakeVote:
+    """A communicator's "does any worker have data" all-reduce, for workers on threads."""
+
+    def __init__(self, num_workers: int) -> None:
+        self._barrier = threading.Barrier(num_workers, timeout=10)
+        self._votes = [False] * num_workers
+        self.calls = [0] * num_workers
+        self._result = False
+
+    def for_worker(self, index: int) -> Callable[[bool], bool]:
+        def any_worker(has_data: bool) -> bool:
+            self.calls[index] += 1
+            self._votes[index] = has_data
+            if self._barrier.wait() == 0:
+                self._result = any(self._votes)
+            self._barrier.wait()
+            return self._result
+
+        return any_worker
+
+
+def run_workers(make: Callable[[int, Callable[[bool], bool]], Any],
+                num_workers: int = 2) -> tuple[list[list[Any]], FakeVote]:
+    vote = FakeVote(num_workers)
+    results: list[list[Any]] = [[] for _ in range(num_workers)]
+    errors: list[BaseException] = []
+
+    def worker(index: int) -> None:
+        try:
+            results[index] = list(make(index, vote.for_worker(index)))
+        except BaseException as error:
+            errors.append(error)
+            vote._barrier.abort()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(num_workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    if errors:
+        raise errors[0]
+    return results, vote
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("depth", DEPTHS)
+def test_two_workers_split_the_same_global_batches(depth: int) -> None:
+    batches = [torch.arange(0, 8), torch.arange(8, 14)]  # range(14) in batches of 8
+
+    def make(index: int, any_worker: Callable[[bool], bool]) -> DistributedDataset:
+        topo = Topology(devices=parse_devices(["CPU:0"]), worker_index=index, num_workers=2)
+        return DistributedDataset(batches, topo, options(depth), any_worker=any_worker)
+
+    (w0, w1), vote = run_workers(make)
+    assert [as_lists(s) for s in w0] == [[[0, 1, 2, 3]], [[8, 9, 10]]]
+    assert [as_lists(s) for s in w1] == [[[4, 5, 6, 7]], [[11, 12, 13]]]
+    assert vote.calls == [3, 3]  # one vote per step, and the final "nobody has data"
+
+
+@pytest.mark.timeout(30)
+def test_two_workers_with_two_replicas_each_match_one_worker_with_four() -> None:
+    batches = [torch.arange(0, 10), torch.arange(10, 13)]
+
+    def make(index: int, any_worker: Callable[[bool], bool]) -> DistributedDataset:
+        return DistributedDataset(batches, topology(2, index, 2), any_worker=any_worker)
+
+    (w0, w1), _ = run_workers(make)
+    single = [as_lists(s) for s in DistributedDataset(batches, topology(4))]
+    assert [as_lists(a) + as_lists(b) for a, b in zip(w0, w1, strict=True)] == single
+    assert w1[1].devices == topology(2, 1, 2).device_names
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("depth", DEPTHS)
+def test_worker_that_runs_out_steps_on_empty_batches(depth: int) -> None:
+    per_worker = {0: [torch.ones(4, 3)] * 3, 1: [torch.zeros(2, 3)]}
+
+    def make(index: int, any_worker: Callable[[bool], bool]) -> DistributedDatasetsFromFunction:
+        def dataset_fn(ctx: InputContext) -> list[torch.Tensor]:
+            assert ctx == InputContext(num_input_pipelines=2, input_pipeline_id=index,
+                                       num_replicas_in_sync=2)
+            return per_worker[ctx.input_pipeline_id]
+
+        topo = Topology(devices=parse_devices(["CPU:0"]), worker_index=index, num_workers=2)
+        return DistributedDatasetsFromFunction(dataset_fn, topo, options(depth),
+                                               any_worker=any_worker)
+
+    (w0, w1), vote = run_workers(make)
+    assert len(w0) == len(w1) == 3
+    assert [s.values[0].shape for s in w0] == [(4, 3)] * 3
+    assert [s.values[0].shape for s in w1] == [(2, 3), (0, 3), (0, 3)]
+    assert w1[2].devices == (Topology(devices=parse_devices(["CPU:0"]), worker_index=1,
+                                      num_workers=2).device_names)
+    assert vote.calls == [4, 4]
+
+
+@pytest.mark.timeout(30)
+def test_worker_without_any_batch_cannot_shape_empties() -> None:
+    def make(index: int, any_worker: Callable[[bool], bool]) -> DistributedDataset:
+        topo = Topology(devices=parse_devices(["CPU:0"]), worker_index=index, num_workers=2)
+        source = [torch.zeros(2)] if index == 0 else []
+        return DistributedDataset(source, topo, options(0), any_worker=any_worker)
+
+    # Worker 1 raises (and breaks the fake vote, so worker 0 does not wait for it).
+    with pytest.raises(RuntimeError, match="yielded no batches while other workers still "
+                                           "have data"):
+        run_workers(make)
+
+
+# --- InputContext and InputOptions --------------------------------------------------------
+
+
+def test_input_context() -> None:
+    assert InputContext() == InputContext(1, 0, 1)
+    ctx = InputContext(num_input_pipelines=2, input_pipeline_id=1, num_replicas_in_sync=4)
+    assert ctx.get_per_replica_batch_size(64) == 16
+    assert ctx.get_per_replica_batch_size(0) == 0
+    with pytest.raises(ValueError, match="global_batch_size 10 is not divisible by "
+                                         "num_replicas_in_sync 4"):
+        ctx.get_per_replica_batch_size(10)
+    with pytest.raises(TypeError, match=r"global_batch_size must be an int; got float 8\.0"):
+        ctx.get_per_replica_batch_size(8.0)  # type: ignore[arg-type]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.input_pipeline_id = 0  # type: ignore[misc]
+    with pytest.raises(ValueError, match=r"input_pipeline_id must be in 0..1 .*got 2"):
+        InputContext(num_input_pipelines=2, input_pipeline_id=2)
+    with pytest.raises(ValueError, match="num_replicas_in_sync must be >= 1; got 0"):
+        InputContext(num_replicas_in_sync=0)
+    with pytest.raises(ValueError, match="num_input_pipelines must be >= 1; got 0"):
+        InputContext(num_input_pipelines=0)
+    with pytest.raises(TypeError, match="num_input_pipelines must be an int; got bool True"):
+        InputContext(num_input_pipelines=True)
+
+
+def test_input_options() -> None:
+    default = InputOptions()
+    assert default.experimental_fetch_to_device is True
+    assert default.experimental_prefetch_depth == 2
+    with pytest.raises(ValueError, match=r"experimental_prefetch_depth must be >= 0 .*got -1"):
+        InputOptions(experimental_prefetch_depth=-1)
+    with pytest.raises(TypeError, match="experimental_prefetch_depth must be an int; got str"):
+        InputOptions(experimental_prefetch_depth="2")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="experimental_fetch_to_device must be a bool; got int 1"):
+        InputOptions(experimental_fetch_to_device=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        InputOptions(False)  # type: ignore[misc]  # keyword-only
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        default.experimental_prefetch_depth = 0  # type: ignore[misc]

@@ -50,7 +50,8 @@ class MirroredBatchNorm(_BatchNorm):
         ctx = context.current_replica_context()
         batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         if ctx is None or ctx.num_replicas_in_sync == 1 or not batch_stats:
-            return super().forward(input)
+            local: torch.Tensor = super().forward(input)
+            return local
         self._check_input_dim(input)
         channels = input.shape[1]
         dims = [0, *range(2, input.dim())]
@@ -74,7 +75,7 @@ class MirroredBatchNorm(_BatchNorm):
         scale = (var + self.eps).rsqrt()
         if self.weight is not None:
             scale = scale * self.weight.to(accumulate)
-        y = (x - mean.view(shape)) * scale.view(shape)
+        y: torch.Tensor = (x - mean.view(shape)) * scale.view(shape)
         if self.bias is not None:
             y = y + self.bias.to(accumulate).view(shape)
         return y.to(input.dtype)

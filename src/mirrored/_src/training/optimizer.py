@@ -86,18 +86,18 @@ class MirroredOptimizer(torch.optim.Optimizer):
         self._ones = tuple(torch.ones(len(p), dtype=flag_dtype, device=p[0].device)
                            for p in params)
 
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         """Replica 0's optimizer's parameter groups (the hyper-parameters of all)."""
         return self._optimizers[0].param_groups
 
-    @property  # type: ignore[override]
-    def state(self) -> Any:
+    @property
+    def state(self) -> Any:  # type: ignore[override]
         """Replica 0's optimizer's state."""
         return self._optimizers[0].state
 
-    @property  # type: ignore[override]
-    def defaults(self) -> dict[str, Any]:
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
         """Replica 0's optimizer's defaults."""
         return self._optimizers[0].defaults
 
@@ -111,7 +111,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
         """The mirrored module this optimizer trains."""
         return self._module
 
-    def step(self, closure: Callable[[], Any] | None = None, *,  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None, *,
              clip_grad_norm: float | None = None) -> Any:
         """All-reduces the gradients (SUM) and steps this replica's optimizer.
 

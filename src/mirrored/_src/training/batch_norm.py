@@ -1,0 +1,126 @@
+"""Cross-replica BatchNorm: `MirroredBatchNorm` normalizes with the statistics of the
+global batch, across the replicas of a ``strategy.run`` (torch's ``SyncBatchNorm``
+works only across processes).
+
+Each replica sums its ``x``, ``x * x`` and element count per channel; one
+all-reduce (SUM) of the three, packed into one tensor, gives the global mean and
+biased variance. The all-reduce is differentiable (its backward is the SUM
+all-reduce of the upstream gradients), so the backward pass is exact, also for
+uneven and empty per-replica batches; it costs one more collective per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .. import context
+
+__all__ = ["MirroredBatchNorm", "convert_batch_norm"]
+
+
+class MirroredBatchNorm(_BatchNorm):
+    """BatchNorm over the global batch of all replicas, for inputs ``[N, C, ...]``.
+
+    In training mode inside ``strategy.run`` it normalizes with the global mean and
+    biased variance and updates the running statistics as torch's BatchNorm does
+    over the whole global batch (unbiased variance with the global count,
+    ``momentum``, ``num_batches_tracked``), so every replica's copy stays equal.
+    Elsewhere (evaluation mode, or called outside ``run``) it is torch's BatchNorm.
+    The parameters, buffers and state dict keys are those of ``BatchNorm1d/2d/3d``.
+
+    Example:
+        >>> import torch, mirrored
+        >>> from mirrored._src.training.module import mirror
+        >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> bn = mirror(strategy, torch.nn.BatchNorm1d(1, affine=False), sync_batch_norm=True)
+        >>> x = mirrored.PerReplica([torch.tensor([[0.0], [2.0]]), torch.tensor([[4.0]])])
+        >>> y = strategy.run(bn, args=(x,))
+        >>> torch.cat(y.values).squeeze(1)  # normalized by mean 2 and variance 8/3
+        tensor([-1.2247,  0.0000,  1.2247])
+    """
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"MirroredBatchNorm expects an input [batch, channels, ...] with "
+                             f"at least 2 dimensions; got shape {tuple(input.shape)}")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        ctx = context.current_replica_context()
+        batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        if ctx is None or ctx.num_replicas_in_sync == 1 or not batch_stats:
+            local: torch.Tensor = super().forward(input)
+            return local
+        self._check_input_dim(input)
+        channels = input.shape[1]
+        dims = [0, *range(2, input.dim())]
+        accumulate = (torch.float32 if input.dtype in (torch.float16, torch.bfloat16)
+                      else input.dtype)
+        x = input.to(accumulate)
+        count = torch.full((1,), input.numel() // max(channels, 1), dtype=accumulate,
+                           device=input.device)
+        packed = torch.cat([x.sum(dims), (x * x).sum(dims), count])
+        total = ctx.all_reduce("SUM", packed)
+        n = float(total[2 * channels].item())
+        if n <= 1:
+            raise ValueError("MirroredBatchNorm expects more than 1 value per channel across "
+                             f"all replicas when training; got {int(n)} (input shape "
+                             f"{tuple(input.shape)} on replica {ctx.replica_id_in_sync_group})")
+        mean = total[:channels] / n
+        var = (total[channels:2 * channels] / n - mean * mean).clamp(min=0)
+        if self.training and self.track_running_stats:
+            self._update_running_stats(mean.detach(), var.detach(), n)
+        shape = [1, channels] + [1] * (input.dim() - 2)
+        scale = (var + self.eps).rsqrt()
+        if self.weight is not None:
+            scale = scale * self.weight.to(accumulate)
+        y: torch.Tensor = (x - mean.view(shape)) * scale.view(shape)
+        if self.bias is not None:
+            y = y + self.bias.to(accumulate).view(shape)
+        return y.to(input.dtype)
+
+    @torch.no_grad()
+    def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, n: float) -> None:
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:  # cumulative moving average
+                factor = 1.0 / float(self.num_batches_tracked)
+        if self.running_mean is not None:
+            self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype),
+                                                    alpha=factor)
+        if self.running_var is not None:
+            unbiased = var * (n / (n - 1))
+            self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype),
+                                                   alpha=factor)
+
+
+def _converted(bn: _BatchNorm) -> MirroredBatchNorm:
+    new = MirroredBatchNorm(bn.num_features, bn.eps, bn.momentum, bn.affine,
+                            bn.track_running_stats)
+    # Share the parameter and buffer objects: references the user holds stay valid.
+    new.weight, new.bias = bn.weight, bn.bias
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        setattr(new, name, getattr(bn, name))
+    new.train(bn.training)
+    return new
+
+
+def convert_batch_norm(module: nn.Module) -> nn.Module:
+    """Replaces every torch BatchNorm layer of ``module`` (in place; the root is
+    returned replaced) by a `MirroredBatchNorm` sharing its parameters and buffers.
+
+    Example:
+        >>> import torch
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+        >>> type(convert_batch_norm(net)[1]).__name__
+        'MirroredBatchNorm'
+    """
+    if isinstance(module, _BatchNorm) and not isinstance(module, MirroredBatchNorm):
+        return _converted(module)
+    for name, child in module.named_children():
+        new = convert_batch_norm(child)
+        if new is not child:
+            setattr(module, name, new)
+    return module

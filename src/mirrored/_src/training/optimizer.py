@@ -1,0 +1,273 @@
+"""`MirroredOptimizer`: one torch optimizer per copy of a `MirroredModule`, stepped
+in lockstep on all-reduced gradients.
+
+``step()`` (in every replica, inside ``strategy.run``) makes ONE all-reduce (SUM)
+of the replica's gradients, a presence flag per parameter and the BatchNorm
+running statistics to average; the collective packs them per dtype into few
+transfers. Every replica then assigns the reduced gradients (views of the packed
+result, no copy), optionally clips them by their global norm, copies replica 0's
+hyper-parameters into its own optimizer and steps it. The reduced values are
+bitwise identical on every replica, so the copies stay bitwise equal.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .module import MirroredModule, replica_index, replica_of
+
+if TYPE_CHECKING:
+    from mirrored import Strategy
+
+__all__ = ["MirroredOptimizer", "mirror_optimizer"]
+
+MakeOptimizer = Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
+
+
+class MirroredOptimizer(torch.optim.Optimizer):
+    """Steps every replica's optimizer with gradients all-reduced across replicas.
+
+    A ``torch.optim.Optimizer`` (so LR schedulers accept it) whose
+    ``param_groups``, ``state`` and ``defaults`` are replica 0's optimizer's: a
+    scheduler or user changing ``param_groups[i]["lr"]`` changes replica 0's, and
+    each replica copies replica 0's hyper-parameters into its own optimizer at
+    ``step()``. Build with `mirror_optimizer`.
+
+    Gradients that are ``None`` on a replica (an unused parameter, an empty batch
+    that skipped a branch) count as zeros in the all-reduce, so every replica
+    makes the same collective; a parameter whose gradient is ``None`` on every
+    replica keeps ``None`` and is skipped by the optimizer, as in single-device
+    training.
+
+    Example:
+        >>> import torch, mirrored
+        >>> from mirrored._src.training.module import mirror
+        >>> from mirrored._src.training.optimizer import mirror_optimizer
+        >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> model = mirror(strategy, torch.nn.Linear(1, 1, bias=False))
+        >>> model.load_state_dict({"weight": torch.tensor([[0.0]])})
+        <All keys matched successfully>
+        >>> opt = mirror_optimizer(strategy, model, lambda p: torch.optim.SGD(p, lr=1.0))
+        >>> def step(x):
+        ...     loss = mirrored.compute_average_loss(model(x).squeeze(1) - x.squeeze(1))
+        ...     loss.backward()
+        ...     opt.step()
+        >>> x = mirrored.PerReplica([torch.tensor([[1.0], [2.0]]), torch.tensor([[3.0]])])
+        >>> strategy.run(step, args=(x,))
+        >>> model.state_dict()["weight"]  # grad = mean(x) = 2, on both copies
+        tensor([[-2.]])
+    """
+
+    def __init__(self, module: MirroredModule, optimizers: tuple[torch.optim.Optimizer, ...],
+                 params: tuple[list[nn.Parameter], ...]) -> None:
+        # Optimizer.__init__ is not called: it would build param groups of its own.
+        # These are the hook tables it sets, so torch's hook registration works.
+        self._optimizer_step_pre_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._module = module
+        self._strategy = module.strategy
+        self._optimizers = optimizers
+        self._params = params
+        self._stats = tuple(module.averaged_buffers(r) for r in range(len(optimizers)))
+        first = params[0][0]
+        flag_dtype = first.dtype if first.is_floating_point() else torch.get_default_dtype()
+        # All-present flags, one per parameter (sent as is on the common path).
+        self._ones = tuple(torch.ones(len(p), dtype=flag_dtype, device=p[0].device)
+                           for p in params)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """Replica 0's optimizer's parameter groups (the hyper-parameters of all)."""
+        return self._optimizers[0].param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        """Replica 0's optimizer's state."""
+        return self._optimizers[0].state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        """Replica 0's optimizer's defaults."""
+        return self._optimizers[0].defaults
+
+    @property
+    def optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
+        """Every replica's optimizer, in local replica order."""
+        return self._optimizers
+
+    @property
+    def module(self) -> MirroredModule:
+        """The mirrored module this optimizer trains."""
+        return self._module
+
+    def step(self, closure: Callable[[], Any] | None = None, *,
+             clip_grad_norm: float | None = None) -> Any:
+        """All-reduces the gradients (SUM) and steps this replica's optimizer.
+
+        Call it in every replica, inside ``strategy.run``, after ``backward()``.
+        With losses from ``compute_average_loss`` the summed gradients are those
+        of the global-batch mean loss.
+
+        Args:
+            closure: optional; called once (with grad enabled) before the
+                all-reduce, and its result returned. Optimizers that call their
+                closure several times (LBFGS) are not supported.
+            clip_grad_norm: if given, the reduced gradients are scaled so their
+                global 2-norm is at most this (``torch.nn.utils.clip_grad_norm_``
+                on the reduced gradients; Keras' ``global_clipnorm``).
+
+        Returns:
+            The closure's result, or ``None``.
+
+        Raises:
+            RuntimeError: called outside ``run`` of the module's strategy.
+            ValueError: ``clip_grad_norm`` is not a positive number.
+        """
+        ctx, r = replica_of(self._strategy, "MirroredOptimizer.step")
+        if clip_grad_norm is not None and (
+                isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, int | float)
+                or not clip_grad_norm > 0 or math.isinf(clip_grad_norm)):
+            raise ValueError(f"clip_grad_norm must be a positive finite number or None; got "
+                             f"{clip_grad_norm!r}")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        params = self._params[r]
+        grads = [p.grad for p in params]
+        missing = [k for k, g in enumerate(grads) if g is None]
+        flags = self._ones[r]
+        if missing:
+            flags = flags.clone()
+            flags[missing] = 0
+            for k in missing:
+                grads[k] = torch.zeros_like(params[k])
+        stats = self._stats[r]
+        reduced = ctx.all_reduce("SUM", [*grads, flags, *stats])
+        n = len(params)
+        for p, g in zip(params, reduced[:n], strict=True):
+            p.grad = g
+        if missing:
+            present = reduced[n].tolist()
+            for k in missing:
+                if present[k] == 0:
+                    params[k].grad = None
+        if stats:
+            averaged = reduced[n + 1:]
+            torch._foreach_div_(averaged, self._strategy.num_replicas_in_sync)
+            torch._foreach_copy_(stats, averaged)
+        optimizer = self._optimizers[r]
+        if r:
+            for source, target in zip(self.param_groups, optimizer.param_groups, strict=True):
+                for key, value in source.items():
+                    if key != "params":
+                        target[key] = value
+        if clip_grad_norm is not None:
+            nn.utils.clip_grad_norm_(params, clip_grad_norm)
+        optimizer.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Resets gradients: this replica's inside ``run``, every replica's outside."""
+        r = replica_index(self._strategy, "MirroredOptimizer.zero_grad", required=False)
+        for optimizer in self._optimizers if r is None else (self._optimizers[r],):
+            optimizer.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Replica 0's optimizer's state dict (interchangeable with a plain optimizer's)."""
+        return self._optimizers[0].state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads ``state_dict`` into every replica's optimizer (each its own copy).
+
+        Raises:
+            RuntimeError: called from a replica.
+        """
+        if replica_index(self._strategy, "MirroredOptimizer.load_state_dict",
+                         required=False) is not None:
+            raise RuntimeError("MirroredOptimizer.load_state_dict changes every replica's "
+                               "optimizer; call it outside strategy.run")
+        for optimizer in self._optimizers:
+            optimizer.load_state_dict(copy.deepcopy(state_dict))
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Not supported: build the optimizer with all its groups in ``make_optimizer``."""
+        raise NotImplementedError("MirroredOptimizer cannot add parameter groups after "
+                                  "creation; create them all in make_optimizer")
+
+    def __repr__(self) -> str:
+        return f"MirroredOptimizer({len(self._optimizers)} x {self._optimizers[0]!r})"
+
+
+def _ordered_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def mirror_optimizer(strategy: Strategy, mirrored_module: MirroredModule,
+                     make_optimizer: MakeOptimizer) -> MirroredOptimizer:
+    """Builds ``make_optimizer(copy.parameters())`` for every copy of ``mirrored_module``
+    and wraps them in a `MirroredOptimizer`.
+
+    Args:
+        strategy: the strategy ``mirrored_module`` was mirrored by.
+        mirrored_module: a `MirroredModule`.
+        make_optimizer: builds any ``torch.optim`` optimizer from an iterable of
+            parameters (param groups allowed, if built the same way for every copy).
+            Ask for ``foreach=True`` (or ``fused=True``) for speed on CPU.
+
+    Raises:
+        TypeError: not a `MirroredModule`, or ``make_optimizer`` returned something
+            other than a ``torch.optim.Optimizer``.
+        ValueError: the module belongs to another strategy, or the optimizers do not
+            cover the same parameters of every copy in the same order.
+
+    Example:
+        >>> import torch, mirrored
+        >>> from mirrored._src.training.module import mirror
+        >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> model = mirror(strategy, torch.nn.Linear(2, 2))
+        >>> opt = mirror_optimizer(strategy, model, lambda p: torch.optim.Adam(p, lr=0.1))
+        >>> opt.param_groups[0]["lr"]
+        0.1
+    """
+    if not isinstance(mirrored_module, MirroredModule):
+        raise TypeError(f"mirror_optimizer takes a MirroredModule (from strategy.mirror); got "
+                        f"{type(mirrored_module).__name__}")
+    if mirrored_module.strategy is not strategy:
+        raise ValueError(f"the module was mirrored by {mirrored_module.strategy!r}, not by "
+                         f"{strategy!r}; build the optimizer with the module's own strategy")
+    if not callable(make_optimizer):
+        raise TypeError(f"make_optimizer must be callable; got {type(make_optimizer).__name__}")
+    optimizers = []
+    params = []
+    positions: list[int] | None = None
+    for r, module in enumerate(mirrored_module.replicas):
+        optimizer = make_optimizer(module.parameters())
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"make_optimizer must return a torch.optim.Optimizer; got "
+                            f"{type(optimizer).__name__} for replica {r}")
+        index = {id(p): k for k, p in enumerate(module.parameters())}
+        ordered = _ordered_params(optimizer)
+        where = [index.get(id(p), -1) for p in ordered]
+        if -1 in where or not ordered:
+            raise ValueError(f"make_optimizer must build an optimizer over the parameters it "
+                             f"is given; replica {r}'s optimizer has "
+                             + ("none" if not ordered else "parameters of another module"))
+        if positions is not None and where != positions:
+            raise ValueError("make_optimizer built different parameter groups for replica "
+                             f"{r} than for replica 0; build it the same way for every copy")
+        positions = where
+        optimizers.append(optimizer)
+        params.append(ordered)
+    return MirroredOptimizer(mirrored_module, tuple(optimizers), tuple(params))

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -42,10 +43,12 @@ def _describe(base: int, *, scale: int) -> dict[str, object]:
             "threads": torch.get_num_threads(), "pid": os.getpid(), "pgid": os.getpgid(0)}
 
 
-def _fail_on_ranks(pid_dir: str, bad_ranks: tuple[int, ...]) -> int:
+def _fail_on_rank_1(pid_dir: str) -> object:
     _note_pid(pid_dir)
-    if _rank() in bad_ranks:
+    if _rank() == 1:
         raise ValueError(f"bad value on rank {_rank()}")
+    if _rank() == 2:
+        return threading.Lock()  # does not pickle
     return _rank()
 
 
@@ -60,7 +63,11 @@ def _hang_on_rank_1(pid_dir: str) -> int:
 
 def _die_without_reporting(pid_dir: str) -> None:
     _note_pid(pid_dir)
-    if _rank() == 0:
+    if _rank() == 0:  # fail after rank 1, so that rank 1 is the first to fail
+        end = time.monotonic() + 60
+        while not (Path(pid_dir) / "1.pid").exists() and time.monotonic() < end:
+            time.sleep(0.05)
+        time.sleep(0.5)
         os._exit(3)
     if _rank() == 1:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -126,14 +133,16 @@ def test_results_in_rank_order_with_torchrun_variables():
 def test_exceptions_come_back_with_rank_and_traceback(tmp_path):
     with pytest.raises(MultiProcessError, match=r"^run_multi_process: rank 1 of 3 raised "
                                                 r"ValueError: bad value on rank 1\n") as info:
-        run_multi_process(_fail_on_ranks, 3, args=(str(tmp_path), (1, 2)))
+        run_multi_process(_fail_on_rank_1, 3, args=(str(tmp_path),))
     message = str(info.value)
-    assert "other ranks: rank 2 raised ValueError: bad value on rank 2" in message
+    assert ("other ranks: rank 2 returned a value that cannot be pickled: TypeError: cannot "
+            "pickle '_thread.lock' object\n") in message
     assert "--- traceback of rank 1 ---\nTraceback (most recent call last):" in message
-    assert 'in _fail_on_ranks\n    raise ValueError(f"bad value on rank {_rank()}")' in message
+    assert 'in _fail_on_rank_1\n    raise ValueError(f"bad value on rank {_rank()}")' in message
     assert info.value.rank == 1
     assert info.value.failures == {1: "raised ValueError: bad value on rank 1",
-                                   2: "raised ValueError: bad value on rank 2"}
+                                   2: "returned a value that cannot be pickled: TypeError: "
+                                      "cannot pickle '_thread.lock' object"}
     assert info.value.remote_traceback.rstrip().endswith("ValueError: bad value on rank 1")
     pids = _pids(tmp_path)
     assert sorted(pids) == ["0", "1", "2"]
@@ -143,10 +152,10 @@ def test_exceptions_come_back_with_rank_and_traceback(tmp_path):
 @pytest.mark.timeout(90)
 def test_timeout_kills_every_rank_and_its_process_group(tmp_path):
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"timed out after 10 s: rank\(s\) 1 of 2 still "
+    with pytest.raises(TimeoutError, match=r"timed out after 12 s: rank\(s\) 1 of 2 still "
                                            r"running .*; rank\(s\) 0 finished"):
-        run_multi_process(_hang_on_rank_1, 2, args=(str(tmp_path),), timeout=10)
-    assert time.monotonic() - start < 25
+        run_multi_process(_hang_on_rank_1, 2, args=(str(tmp_path),), timeout=12)
+    assert time.monotonic() - start < 30
     pids = _pids(tmp_path)
     assert sorted(pids) == ["0", "1", "1-grandchild"]  # the ranks started in time
     _assert_all_dead(pids)
@@ -162,6 +171,7 @@ def test_ranks_that_die_without_reporting(tmp_path):
                        ) as info:
         run_multi_process(_die_without_reporting, 3, args=(str(tmp_path),))
     assert info.value.remote_traceback == ""
+    assert "\nrank 1 was the first to fail\n" in str(info.value)
     assert "rank 0 left no traceback" in str(info.value)
     _assert_all_dead(_pids(tmp_path))
 

@@ -71,7 +71,7 @@ def _exit_with_parent(parent_pid: int) -> None:
     """Runs in a child: when the parent is gone, end this rank and what it started."""
     while os.getppid() == parent_pid:
         time.sleep(0.5)
-    if os.getpgid(0) == os.getpid():
+    if hasattr(os, "killpg") and os.getpgid(0) == os.getpid():
         os.killpg(0, signal.SIGKILL)  # this rank's own group, itself included
     os._exit(70)
 
@@ -85,7 +85,7 @@ def _summary(error: BaseException) -> str:
 def _child_main(rank: int, env: dict[str, str], payload: bytes, conn: Connection,
                 num_threads: int, parent_pid: int) -> None:
     """Entry point of one rank (runs in the child)."""
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError, AttributeError):  # AttributeError: not POSIX
         os.setpgid(0, 0)  # own group: the parent can kill what this rank starts
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True,
                      name="mirrored-exit-with-parent").start()
@@ -277,7 +277,7 @@ def _stop(procs: Sequence[multiprocessing.process.BaseProcess]) -> None:
     # Signal every process group before reaping anyone: an unreaped child keeps its pid
     # (and so its group id) from being reused.
     for proc in procs:
-        if proc.pid is not None:
+        if proc.pid is not None and hasattr(os, "killpg"):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
     for proc in procs:

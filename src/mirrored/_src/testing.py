@@ -1,0 +1,328 @@
+"""`run_multi_process`: run a function in several fresh worker processes wired like
+torchrun, for tests of multi-worker code on one machine.
+
+Each rank is a "spawn" child in its own process group with torchrun's variables set. It
+sends back one pickled report (its return value, or its exception's formatted traceback)
+through its own pipe, then leaves with ``os._exit`` (no interpreter teardown to hang in).
+The parent waits on every pipe and process sentinel until all ranks reported, one failed
+(then the others get a short grace period), or the deadline passed; on every path it then
+kills each child's process group and the child, and joins them, so nothing outlives a call.
+A child also exits by itself when its parent disappears.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+
+from .errors import MirroredError
+
+__all__ = ["MultiProcessError", "find_free_port", "run_multi_process"]
+
+_FAILURE_GRACE_SECONDS = 3.0  # how long the other ranks may still report after a failure
+_JOIN_SECONDS = 10.0  # a SIGKILLed child is gone well within this
+
+
+class MultiProcessError(MirroredError, RuntimeError):
+    """A rank of `run_multi_process` raised or died before reporting a result.
+
+    Attributes:
+        rank: the lowest failed rank, whose report heads the message.
+        failures: each failed rank's one-line summary, by rank.
+        remote_traceback: ``rank``'s formatted traceback ("" if it died without one).
+    """
+
+    def __init__(self, message: str, *, rank: int, failures: Mapping[int, str],
+                 remote_traceback: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.failures = dict(failures)
+        self.remote_traceback = remote_traceback
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago (the OS picks it).
+
+    Example:
+        >>> 1 <= find_free_port() <= 65535
+        True
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Runs in a child: when the parent is gone, end this rank and what it started."""
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    if hasattr(os, "killpg") and os.getpgid(0) == os.getpid():
+        os.killpg(0, signal.SIGKILL)  # this rank's own group, itself included
+    os._exit(70)
+
+
+def _summary(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    line = f"{type(error).__qualname__}: {text[0]}" if text else type(error).__qualname__
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
+def _child_main(rank: int, env: dict[str, str], payload: bytes, conn: Connection,
+                num_threads: int, parent_pid: int) -> None:
+    """Entry point of one rank (runs in the child)."""
+    with contextlib.suppress(OSError, AttributeError):  # AttributeError: not POSIX
+        os.setpgid(0, 0)  # own group: the parent can kill what this rank starts
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True,
+                     name="mirrored-exit-with-parent").start()
+    os.environ.update(env)
+    torch.set_num_threads(num_threads)
+    report: tuple[str, Any, str]
+    try:
+        fn, args, kwargs = pickle.loads(payload)
+        report = ("ok", fn(*args, **kwargs), "")
+    except BaseException as e:  # report everything, SystemExit included
+        report = ("error", f"raised {_summary(e)}", "".join(traceback.format_exception(e)))
+    try:
+        data = pickle.dumps(report)
+    except Exception as e:
+        data = pickle.dumps(("error", f"returned a value that cannot be pickled: {_summary(e)}",
+                             "".join(traceback.format_exception(e))))
+    code = 0 if report[0] == "ok" else 1
+    try:
+        conn.send_bytes(data)
+        conn.close()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                stream.flush()
+        os._exit(code)
+
+
+def _check(fn: object, world_size: object, args: object, kwargs: object, timeout: object,
+           env: object) -> tuple[tuple[Any, ...], dict[str, Any], dict[str, str], int]:
+    if not callable(fn):
+        raise TypeError(f"fn must be a callable; got {type(fn).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"world_size must be an int; got {type(world_size).__name__}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1; got {world_size}")
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise TypeError(f"timeout must be a number of seconds; got {type(timeout).__name__}")
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise ValueError(f"timeout must be a finite number of seconds > 0; got {timeout!r}")
+    if not isinstance(args, Sequence) or isinstance(args, str | bytes):
+        raise TypeError(f"args must be a tuple or list; got {type(args).__name__}")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(f"kwargs must be a mapping or None; got {type(kwargs).__name__}")
+    if env is not None and not isinstance(env, Mapping):
+        raise TypeError(f"env must be a mapping of str to str or None; got {type(env).__name__}")
+    env = dict(env or {})
+    for key, value in env.items():
+        if not (isinstance(key, str) and isinstance(value, str)):
+            raise TypeError(f"env must map str to str; got {key!r}: {type(value).__name__} "
+                            f"{value!r}")
+    threads = env.get("OMP_NUM_THREADS", "1")
+    if not (threads.strip().isdigit() and int(threads) >= 1):
+        raise ValueError(f"env['OMP_NUM_THREADS'] must be an integer >= 1; got {threads!r}")
+    return tuple(args), dict(kwargs or {}), env, int(threads)
+
+
+def run_multi_process(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (),
+                      kwargs: Mapping[str, Any] | None = None, timeout: float = 60.0,
+                      env: Mapping[str, str] | None = None) -> list[Any]:
+    """Runs ``fn(*args, **kwargs)`` in ``world_size`` fresh processes, one per rank, as
+    torchrun would, and returns their results in rank order.
+
+    Each child gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+    ``MASTER_ADDR=127.0.0.1`` and ``MASTER_PORT`` (a free port), then ``env`` on top, so
+    ``torch.distributed.init_process_group("gloo")`` works as is. Children run
+    ``torch.set_num_threads(1)`` unless ``env`` sets ``OMP_NUM_THREADS``. The variables
+    are set after the child imports :mod:`mirrored` (and torch), before ``fn`` is loaded.
+
+    Args:
+        fn: a picklable callable (a module-level function); the children import its module.
+        world_size: how many processes.
+        args: positional arguments for ``fn``, the same for every rank.
+        kwargs: keyword arguments for ``fn``.
+        timeout: seconds for the whole run, process start-up included.
+        env: extra environment variables for every child (they override the above).
+
+    Returns:
+        Each rank's return value (pickled back), in rank order.
+
+    Raises:
+        MultiProcessError: a rank raised, or died before reporting (exit code or signal).
+            The message starts with the lowest failed rank, carries its traceback and
+            summarizes the other failed ranks; ranks still running after a short grace
+            period are killed.
+        TimeoutError: some ranks had not reported when ``timeout`` passed; it names them.
+            Every child is killed with its process group.
+        TypeError: ``fn``, ``args`` or ``kwargs`` do not pickle, or a wrong argument type.
+        ValueError: ``world_size < 1``, a non-positive ``timeout``, or a bad
+            ``OMP_NUM_THREADS`` in ``env``.
+
+    Example:
+        >>> import os
+        >>> run_multi_process(os.getenv, 2, args=("RANK",))
+        ['0', '1']
+    """
+    args_t, kwargs_d, env_d, threads = _check(fn, world_size, args, kwargs, timeout, env)
+    try:
+        payload = pickle.dumps((fn, args_t, kwargs_d))
+    except Exception as e:
+        raise TypeError(f"run_multi_process sends fn, args and kwargs to fresh processes, so "
+                        f"they must pickle (use a module-level function, not a lambda or a "
+                        f"closure); pickling failed: {_summary(e)}") from e
+    deadline = time.monotonic() + timeout
+    base = {"WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port())}
+    ctx = multiprocessing.get_context("spawn")
+    procs: list[multiprocessing.process.BaseProcess] = []
+    readers: list[Connection] = []
+    try:
+        for rank in range(world_size):
+            child_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), **env_d}
+            reader, writer = ctx.Pipe(duplex=False)
+            readers.append(reader)
+            proc = ctx.Process(target=_child_main, name=f"mirrored-rank-{rank}",
+                               args=(rank, child_env, payload, writer, threads, os.getpid()))
+            try:
+                proc.start()
+            finally:
+                writer.close()
+            procs.append(proc)
+        outcome = _collect(procs, readers, deadline)
+    finally:
+        _stop(procs)
+        for reader in readers:
+            reader.close()
+    return _result(outcome, procs, timeout)
+
+
+class _Outcome:
+    """What the parent learnt from the children."""
+
+    def __init__(self) -> None:
+        self.results: dict[int, Any] = {}
+        self.failures: dict[int, tuple[str, str]] = {}  # rank -> (summary, traceback)
+        self.failure_order: list[int] = []
+        self.silent: set[int] = set()  # exited without a report: summary needs the exit code
+        self.running: set[int] = set()
+
+
+def _collect(procs: Sequence[multiprocessing.process.BaseProcess], readers: Sequence[Connection],
+             deadline: float) -> _Outcome:
+    out = _Outcome()
+    out.running = set(range(len(procs)))
+    limit = deadline
+    while out.running:
+        remaining = limit - time.monotonic()
+        if remaining <= 0:
+            break
+        waitables: list[Any] = [readers[r] for r in out.running]
+        waitables += [procs[r].sentinel for r in out.running]
+        ready = set(wait(waitables, timeout=remaining))
+        for rank in sorted(out.running):
+            reader, sentinel = readers[rank], procs[rank].sentinel
+            if reader not in ready and sentinel not in ready:
+                continue
+            out.running.discard(rank)
+            report = _read(reader)
+            if report is None:
+                out.silent.add(rank)
+                out.failures[rank] = ("", "")
+            elif report[0] == "ok":
+                out.results[rank] = report[1]
+                continue
+            else:
+                out.failures[rank] = (report[1], report[2])
+            if not out.failure_order:
+                limit = min(deadline, time.monotonic() + _FAILURE_GRACE_SECONDS)
+            out.failure_order.append(rank)
+    return out
+
+
+def _read(reader: Connection) -> tuple[str, Any, str] | None:
+    """One rank's report, or ``None`` when it closed its pipe without one."""
+    try:
+        if not reader.poll():
+            return None
+        data = reader.recv_bytes()
+    except (EOFError, OSError):
+        return None
+    try:
+        report: tuple[str, Any, str] = pickle.loads(data)
+    except Exception as e:
+        return ("error", f"sent a result that cannot be unpickled here: {_summary(e)}",
+                "".join(traceback.format_exception(e)))
+    return report
+
+
+def _stop(procs: Sequence[multiprocessing.process.BaseProcess]) -> None:
+    # Signal every process group before reaping anyone: an unreaped child keeps its pid
+    # (and so its group id) from being reused.
+    for proc in procs:
+        if proc.pid is not None and hasattr(os, "killpg"):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    for proc in procs:
+        proc.kill()
+    for proc in procs:
+        proc.join(_JOIN_SECONDS)
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "did not exit"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "an unknown signal"
+        return f"was killed by signal {name} ({-code})"
+    return f"exited with code {code}"
+
+
+def _result(out: _Outcome, procs: Sequence[multiprocessing.process.BaseProcess],
+            timeout: float) -> list[Any]:
+    n = len(procs)
+    for rank in out.silent:
+        out.failures[rank] = (f"{_exit_text(procs[rank].exitcode)} before reporting a result",
+                              "")
+    if out.failures:
+        rank = min(out.failures)
+        summary, remote_tb = out.failures[rank]
+        others = [f"rank {r} {out.failures[r][0]}" for r in sorted(out.failures) if r != rank]
+        others += [f"rank {r} was still running and was killed" for r in sorted(out.running)]
+        lines = [f"run_multi_process: rank {rank} of {n} {summary}"]
+        if others:
+            lines.append("other ranks: " + "; ".join(others))
+        if out.failure_order[0] != rank:
+            lines.append(f"rank {out.failure_order[0]} was the first to fail")
+        lines.append(f"\n--- traceback of rank {rank} ---\n{remote_tb.rstrip()}" if remote_tb
+                     else f"(rank {rank} left no traceback; see its output above)")
+        raise MultiProcessError("\n".join(lines), rank=rank,
+                                failures={r: s for r, (s, _) in out.failures.items()},
+                                remote_traceback=remote_tb)
+    if out.running:
+        running = ", ".join(map(str, sorted(out.running)))
+        done = ", ".join(map(str, sorted(out.results))) or "none"
+        raise TimeoutError(f"run_multi_process timed out after {timeout:g} s: rank(s) "
+                           f"{running} of {n} still running (killed, with their process "
+                           f"groups); rank(s) {done} finished")
+    return [out.results[r] for r in range(n)]

@@ -109,7 +109,8 @@ class DistributedCommunicator:
         """Combines many values over every replica of every worker (SUM, MIN or MAX):
         see `Communicator.reduce_packed`."""
         first = per_replica[0]
-        call = f"reduce_packed({reduce_op.name}: " + ", ".join(describe(t) for t in first) + ")"
+        call = (f"reduce_packed({reduce_op.name}: " + ", ".join(describe(t) for t in first)
+                + f"; {bytes_per_pack} bytes per pack)")
         seq = self._enter(call)
         keys = [(t.dtype, t.device, id(destinations[k])) for k, t in enumerate(first)]
         nbytes = [t.numel() * t.element_size() for t in first]
@@ -118,16 +119,10 @@ class DistributedCommunicator:
         for members in packs:
             flats = [packing.pack([leaves[m] for m in members]) for leaves in per_replica]
             buffers.append(self._local.reduce_to_devices(reduce_op, flats, (self._wire,))[0])
-        vote = None
-        works = []
         if self._check:
-            fp = _fingerprint(seq, call)
-            vote = torch.tensor([fp, -fp], dtype=torch.int64, device=self._wire.torch_device)
-            works.append(dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._group,
-                                         async_op=True))
-        works += [dist.all_reduce(b, op=_DIST_OPS[reduce_op], group=self._group, async_op=True)
-                  for b in buffers]
-        self._wait(works, seq, call, vote)
+            self._header(seq, call, [0] * self._topology.num_local_replicas)
+        self._wait([dist.all_reduce(b, op=_DIST_OPS[reduce_op], group=self._group,
+                                    async_op=True) for b in buffers], seq, call)
         out: list[list[torch.Tensor]] = [[] for _ in first]
         for members, buffer in zip(packs, buffers, strict=True):
             like = [first[m] for m in members]
@@ -148,14 +143,7 @@ class DistributedCommunicator:
         call = f"gather(dim={dim}: {dtype}, other dims {rest})"
         seq = self._enter(call)
         sizes = [c.shape[dim] for c in per_replica]
-        header = torch.tensor([_fingerprint(seq, call) if self._check else 0, *sizes],
-                              dtype=torch.int64, device=self._wire.torch_device)
-        headers = [torch.empty_like(header) for _ in range(self._topology.num_workers)]
-        self._wait([dist.all_gather(headers, header, group=self._group, async_op=True)],
-                   seq, call)
-        table = torch.stack(headers).cpu().tolist()
-        if self._check and any(row[0] != table[0][0] for row in table):
-            self._mismatch(seq, call)
+        table = self._header(seq, call, sizes)
         totals = [sum(row[1:]) for row in table]
         shape = list(local.shape)
         shape[dim] = max(totals)
@@ -174,7 +162,7 @@ class DistributedCommunicator:
         return self._local.broadcast_to_devices(tensor, destinations)
 
     def any(self, flag: bool) -> bool:
-        """Whether any worker passed ``True`` (one tiny all-reduce MAX).
+        """Whether any worker passed ``True`` (one tiny all-gather of flags).
 
         Raises:
             TypeError: ``flag`` is not a bool.
@@ -183,15 +171,8 @@ class DistributedCommunicator:
             raise TypeError(f"flag must be a bool; got {type(flag).__name__} {flag!r}")
         call = "any()"
         seq = self._enter(call)
-        fp = _fingerprint(seq, call) if self._check else 0
-        vote = torch.tensor([int(flag), fp, -fp], dtype=torch.int64,
-                            device=self._wire.torch_device)
-        self._wait([dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._group,
-                                    async_op=True)], seq, call)
-        flag_max, fp_max, neg_fp_max = vote.tolist()
-        if fp_max != -neg_fp_max:
-            self._mismatch(seq, call)
-        return bool(flag_max)
+        flags = [int(flag)] + [0] * (self._topology.num_local_replicas - 1)
+        return any(row[1] for row in self._header(seq, call, flags))
 
     # ---------------------------------------------------------------- helpers
     def _copies(self, tensor: torch.Tensor, devices: Sequence[Device]) -> list[torch.Tensor]:
@@ -210,25 +191,35 @@ class DistributedCommunicator:
         self._seq += 1
         return self._seq
 
-    def _wait(self, works: list[Any], seq: int, call: str,
-              vote: torch.Tensor | None = None) -> None:
-        """Waits for ``works`` with the timeout and the peer monitor. With ``vote``
-        (the fingerprint vote, whose work is ``works[0]``), checks it as soon as it
-        completes, before the data is used or waited for any longer."""
+    def _header(self, seq: int, call: str, extra: list[int]) -> list[list[int]]:
+        """All-gathers ``[fingerprint, *extra]`` (one int64 per local replica in
+        ``extra``: the same size for every kind of call, so a mismatched call never
+        meets a collective of another size, which Gloo answers by aborting the
+        process) and raises `CollectiveMismatchError` if the fingerprints differ.
+
+        Returns:
+            One row per worker.
+        """
+        fp = _fingerprint(seq, call) if self._check else 0
+        header = torch.tensor([fp, *extra], dtype=torch.int64, device=self._wire.torch_device)
+        rows = [torch.empty_like(header) for _ in range(self._topology.num_workers)]
+        self._wait([dist.all_gather(rows, header, group=self._group, async_op=True)], seq, call)
+        table: list[list[int]] = torch.stack(rows).tolist()
+        if any(row[0] != fp for row in table):
+            self._mismatch(seq, call)
+        return table
+
+    def _wait(self, works: list[Any], seq: int, call: str) -> None:
+        """Waits for ``works``, bounded by the timeout and watched by the peer monitor."""
+        if self._timeout is None and self._job is None:
+            self._raise_translated(works, seq, call)
+            return
         wake = threading.Event()
         for work in works:
             work.get_future().add_done_callback(lambda _: wake.set())
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
         poll = self._job.monitor.interval if self._job is not None else 1.0
-        while True:
-            if vote is not None and works[0].is_completed():
-                self._raise_translated(works[:1], seq, call)
-                fp_max, neg_fp_max = vote.tolist()
-                if fp_max != -neg_fp_max:
-                    self._mismatch(seq, call)
-                vote = None
-            if all(work.is_completed() for work in works):
-                break
+        while not all(work.is_completed() for work in works):
             left = None if deadline is None else deadline - time.monotonic()
             if wake.wait(poll if left is None else max(0.0, min(poll, left))):
                 wake.clear()

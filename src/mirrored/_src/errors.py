@@ -32,3 +32,14 @@ class ReplicaAbortedError(MirroredError, RuntimeError):
 
     ``strategy.run`` raises the other replica's exception, not this one.
     """
+
+
+class WorkerFailureError(MirroredError, RuntimeError):
+    """A peer worker of a multi-worker job died (its process or connection is gone).
+
+    ``workers`` holds the indices of the failed workers (empty when unknown).
+    """
+
+    def __init__(self, message: str, workers: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.workers = workers

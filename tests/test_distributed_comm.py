@@ -1,0 +1,250 @@
+"""DistributedCommunicator across real processes: Gloo over 127.0.0.1.
+
+Each test spawns 2 or 3 workers (1-2 logical CPU replicas each) with a small
+private helper; results come back to the parent, which compares them with a
+single-process reference built from the same closed-form inputs.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import queue
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import mirrored
+from mirrored._src.cluster import process_group
+from mirrored._src.comm.distributed import DistributedCommunicator
+from mirrored._src.devices import parse_devices
+from mirrored._src.errors import WorkerFailureError
+from mirrored._src.reduce_op import ReduceOp
+from mirrored._src.runtime.topology import Topology
+
+# ------------------------------------------------------------------ spawn helper
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _child(fn: Callable[..., Any], rank: int, world: int, local: int, port: int,
+           options: dict[str, float], results: Any) -> None:
+    try:
+        process_group.init_process_group("gloo", rank, world, "127.0.0.1", port,
+                                         timeout_seconds=30,
+                                         failure_timeout_seconds=options.pop("failure", 10.0))
+        topology = Topology(devices=parse_devices([f"CPU:{i}" for i in range(local)]),
+                            worker_index=rank, num_workers=world)
+        comm = DistributedCommunicator(mirrored.ReductionToOneDevice(), topology, **options)
+        out = fn(comm, topology)
+        results.put(pickle.dumps((rank, "ok", out)))  # plain bytes: no shared fds
+    except BaseException as error:  # reported to the parent, which asserts on it
+        results.put(pickle.dumps((rank, "error", (type(error).__name__, str(error),
+                                                  traceback.format_exc()))))
+        results.close()
+        results.join_thread()  # flush before leaving without teardown
+        os._exit(0)  # the group may hold abandoned work: no clean teardown
+    process_group.destroy_process_group()
+
+
+def _spawn(fn: Callable[..., Any], world: int, local: int = 1, *, hard_timeout: float = 60,
+           **options: float) -> dict[int, tuple[str, Any]]:
+    """Runs ``fn(comm, topology)`` on ``world`` workers; rank -> ("ok", value) or
+    ("error", (type name, message, traceback)). Kills every child on the way out."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, world, local, port, dict(options),
+                                              results), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + hard_timeout
+    try:
+        while len(got) < world:
+            alive = any(p.is_alive() for p in procs)
+            try:
+                rank, status, value = pickle.loads(results.get(timeout=0.5 if alive else 0.1))
+            except queue.Empty:
+                if not alive or time.monotonic() > deadline:
+                    break
+                continue
+            got[rank] = (status, value)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return got
+
+
+def _values(got: dict[int, tuple[str, Any]], world: int) -> list[Any]:
+    for rank in range(world):
+        assert rank in got, f"worker {rank} reported nothing: {got}"
+        status, value = got[rank]
+        assert status == "ok", f"worker {rank} failed:\n{value[2]}"
+    return [got[r][1] for r in range(world)]
+
+
+# ---------------------------------------------------------------- the workloads
+
+
+def _inputs(replica: int) -> list[torch.Tensor]:
+    """Replica ``replica``'s components of three values (two dtypes), closed form."""
+    g = torch.Generator().manual_seed(replica)
+    return [torch.randn(3, 4, generator=g), torch.randint(-50, 50, (5,), generator=g),
+            torch.randn(7, generator=g)]
+
+
+def _reduce_and_gather(comm: DistributedCommunicator, topology: Topology) -> dict[str, Any]:
+    per_replica = [_inputs(r) for r in topology.replica_ids]
+    dests = [topology.devices] * 3
+    out: dict[str, Any] = {}
+    for op in (ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX):
+        # 40 bytes per pack: the two float values travel in separate packs.
+        result = comm.reduce_packed(op, per_replica, dests, bytes_per_pack=40)
+        out[op.name] = [[t.clone() for t in per_dest] for per_dest in result]
+    rows = [torch.full((r + 1, 2), float(r)) for r in topology.replica_ids]  # uneven
+    out["gather"] = comm.gather(rows, 0, topology.devices)
+    out["any"] = (comm.any(topology.worker_index == 1), comm.any(False))
+    return out
+
+
+def _check_reduce_and_gather(world: int, local: int) -> None:
+    got = _values(_spawn(_reduce_and_gather, world, local), world)
+    n = world * local
+    every = [_inputs(r) for r in range(n)]
+    for op, fold in (("SUM", torch.add), ("MIN", torch.minimum), ("MAX", torch.maximum)):
+        for k in range(3):
+            expected = every[0][k]
+            for r in range(1, n):
+                expected = fold(expected, every[r][k])
+            for w in range(world):
+                assert len(got[w][op][k]) == local
+                for copy in got[w][op][k]:
+                    assert copy.dtype == expected.dtype
+                    torch.testing.assert_close(copy, expected, rtol=1e-6, atol=1e-6)
+    expected_rows = torch.cat([torch.full((r + 1, 2), float(r)) for r in range(n)])
+    for w in range(world):
+        copies, sizes = got[w]["gather"]
+        assert sizes == [r + 1 for r in range(n)]
+        assert len(copies) == local
+        for copy in copies:
+            assert torch.equal(copy, expected_rows)
+        assert got[w]["any"] == (True, False)
+
+
+@pytest.mark.timeout(90)
+def test_two_workers_two_replicas_match_the_single_process_reference() -> None:
+    _check_reduce_and_gather(world=2, local=2)
+
+
+@pytest.mark.timeout(90)
+def test_three_workers_one_replica_match_the_single_process_reference() -> None:
+    _check_reduce_and_gather(world=3, local=1)
+
+
+def _different_shape(comm: DistributedCommunicator, topology: Topology) -> Any:
+    size = 4 if topology.worker_index == 0 else 5
+    comm.reduce_packed(ReduceOp.SUM, [[torch.ones(size)]], [topology.devices], 0)
+
+
+def _skip_one(comm: DistributedCommunicator, topology: Topology) -> Any:
+    if topology.worker_index != 2:  # worker 2 skips the first call
+        comm.reduce_packed(ReduceOp.SUM, [[torch.ones(4)]], [topology.devices], 0)
+    comm.gather([torch.ones(2, 3)], 0, topology.devices)
+
+
+def _mismatches(got: dict[int, tuple[str, Any]], world: int) -> list[str]:
+    assert sorted(got) == list(range(world)), got
+    for rank, (status, value) in got.items():
+        assert status == "error" and value[0] == "CollectiveMismatchError", (rank, value)
+    return [got[r][1][1] for r in range(world)]
+
+
+@pytest.mark.timeout(90)
+def test_a_different_shape_raises_mismatch_on_every_worker() -> None:
+    messages = _mismatches(_spawn(_different_shape, 2, timeout_seconds=20), 2)
+    for message in messages:
+        assert "collective #1" in message
+        assert "worker 0: reduce_packed(SUM: float32[4]; 0 bytes per pack)" in message
+        assert "worker 1: reduce_packed(SUM: float32[5]; 0 bytes per pack)" in message
+
+
+@pytest.mark.timeout(90)
+def test_a_skipped_call_raises_mismatch_on_every_worker() -> None:
+    messages = _mismatches(_spawn(_skip_one, 3, timeout_seconds=20), 3)
+    for message in messages:
+        assert "worker 2: gather(dim=0" in message and "worker 0: reduce_packed" in message
+
+
+def _skip_last_and_leave(comm: DistributedCommunicator, topology: Topology) -> Any:
+    comm.any(True)
+    if topology.worker_index == 0:
+        start = time.monotonic()
+        try:
+            comm.any(True)
+        finally:
+            assert time.monotonic() - start < 10
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_that_leaves_early_is_a_mismatch_not_a_hang() -> None:
+    got = _spawn(_skip_last_and_leave, 2, timeout_seconds=30, failure=2.0)
+    assert got[1] == ("ok", None)
+    status, (name, message, _) = got[0]
+    assert (status, name) == ("error", "CollectiveMismatchError"), got[0]
+    assert "worker 1 left after 1 collectives" in message
+
+
+def _die(comm: DistributedCommunicator, topology: Topology) -> Any:
+    comm.any(True)
+    if topology.worker_index == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        comm.reduce_packed(ReduceOp.SUM, [[torch.ones(8)]], [topology.devices], 0)
+    except WorkerFailureError as error:
+        return (str(error), error.workers, time.monotonic() - start)
+    return None
+
+
+@pytest.mark.timeout(90)
+def test_a_killed_worker_is_named_by_the_survivors_within_the_bound() -> None:
+    got = _spawn(_die, 3, timeout_seconds=60, failure=3.0)
+    assert 1 not in got  # killed: it reports nothing
+    for rank in (0, 2):
+        status, value = got[rank]
+        assert status == "ok" and value is not None, (rank, value)
+        message, workers, elapsed = value
+        assert workers == (1,)
+        assert message.startswith("worker 1 failed")
+        assert elapsed < 3.0 + 5.0
+
+
+def _late(comm: DistributedCommunicator, topology: Topology) -> Any:
+    if topology.worker_index == 1:
+        time.sleep(6)  # alive, but never joins
+        return None
+    start = time.monotonic()
+    with pytest.raises(mirrored.CollectiveTimeoutError, match=r"waited 2 s in collective #1"):
+        comm.reduce_packed(ReduceOp.MAX, [[torch.ones(3)]], [topology.devices], 0)
+    return time.monotonic() - start
+
+
+@pytest.mark.timeout(90)
+def test_a_peer_that_never_joins_times_out() -> None:
+    elapsed, _ = _values(_spawn(_late, 2, timeout_seconds=2), 2)
+    assert 2.0 <= elapsed < 4.0

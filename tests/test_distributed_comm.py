@@ -27,7 +27,7 @@ from mirrored._src.comm.distributed import DistributedCommunicator
 from mirrored._src.devices import parse_devices
 from mirrored._src.errors import WorkerFailureError
 from mirrored._src.reduce_op import ReduceOp
-from mirrored._src.runtime.topology import Topology
+from mirrored._src.topology import Topology
 
 # ------------------------------------------------------------------ spawn helper
 

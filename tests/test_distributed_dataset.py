@@ -25,7 +25,7 @@ from mirrored._src.data import (
 )
 from mirrored._src.data.prefetch import THREAD_NAME
 from mirrored._src.devices import parse_devices
-from mirrored._src.runtime.topology import Topology
+from mirrored._src.topology import Topology
 
 DEPTHS = [0, 1, 2]
 

@@ -9,7 +9,9 @@ Example:
     tensor(1)
 """
 
+from . import cluster_resolver as cluster_resolver
 from . import experimental as experimental
+from . import testing as testing
 from ._src.comm.cross_device_ops import CrossDeviceOps as CrossDeviceOps
 from ._src.comm.cross_device_ops import ReductionToOneDevice as ReductionToOneDevice
 from ._src.context import get_cross_replica_context as get_cross_replica_context
@@ -17,9 +19,14 @@ from ._src.context import get_replica_context as get_replica_context
 from ._src.context import get_strategy as get_strategy
 from ._src.context import has_strategy as has_strategy
 from ._src.context import in_cross_replica_context as in_cross_replica_context
+from ._src.data import DistributedDataset as DistributedDataset
+from ._src.data import DistributedDatasetsFromFunction as DistributedDatasetsFromFunction
+from ._src.data import InputContext as InputContext
+from ._src.data import InputOptions as InputOptions
 from ._src.errors import CollectiveMismatchError as CollectiveMismatchError
 from ._src.errors import CollectiveTimeoutError as CollectiveTimeoutError
 from ._src.errors import MirroredError as MirroredError
+from ._src.errors import WorkerFailureError as WorkerFailureError
 from ._src.loss import compute_average_loss as compute_average_loss
 from ._src.reduce_op import ReduceOp as ReduceOp
 from ._src.strategies.extended import StrategyExtended as StrategyExtended
@@ -27,6 +34,8 @@ from ._src.strategies.mirrored import MirroredStrategy as MirroredStrategy
 from ._src.strategies.mirrored import OneDeviceStrategy as OneDeviceStrategy
 from ._src.strategies.replica_context import ReplicaContext as ReplicaContext
 from ._src.strategies.strategy import Strategy as Strategy
+from ._src.training.module import MirroredModule as MirroredModule
+from ._src.training.optimizer import MirroredOptimizer as MirroredOptimizer
 from ._src.values import DistributedValues as DistributedValues
 from ._src.values import Mirrored as Mirrored
 from ._src.values import PerReplica as PerReplica
@@ -38,6 +47,15 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "CrossDeviceOps",
+    "DistributedDataset",
+    "DistributedDatasetsFromFunction",
+    "InputContext",
+    "InputOptions",
+    "MirroredModule",
+    "MirroredOptimizer",
+    "WorkerFailureError",
+    "cluster_resolver",
+    "testing",
     "ReductionToOneDevice",
     "compute_average_loss",
     "experimental",

@@ -225,6 +225,32 @@ def current_replica_context() -> ReplicaContext | None:
     return top.replica_context if top is not None and top.in_run else None
 
 
+_in_flight: dict[int, int] = {}
+_in_flight_lock = threading.Lock()
+
+
+@contextmanager
+def running(strategy: StrategyLike) -> Iterator[None]:
+    """Marks a ``run`` of ``strategy`` as in flight (process-wide) while it lasts."""
+    key = id(strategy)
+    with _in_flight_lock:
+        _in_flight[key] = _in_flight.get(key, 0) + 1
+    try:
+        yield
+    finally:
+        with _in_flight_lock:
+            left = _in_flight[key] - 1
+            if left:
+                _in_flight[key] = left
+            else:
+                del _in_flight[key]
+
+
+def run_in_flight(strategy: StrategyLike | None = None) -> bool:
+    """Whether some thread is inside ``strategy.run`` (any strategy's for ``None``)."""
+    return bool(_in_flight) if strategy is None else id(strategy) in _in_flight
+
+
 def in_run() -> bool:
     """Whether this thread runs a replica or a ``merge_fn`` of some ``strategy.run``."""
     top = _top()

@@ -11,6 +11,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "MirroredError",
     "ReplicaAbortedError",
+    "WorkerFailureError",
 ]
 
 

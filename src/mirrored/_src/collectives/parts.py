@@ -9,7 +9,7 @@ from typing import Any
 from ..comm.selection import CommunicatorSelector
 from ..options import CommunicationOptions
 from ..runtime.runtime import Runtime
-from ..runtime.topology import Topology
+from ..topology import Topology
 
 __all__ = ["Parts"]
 

@@ -21,14 +21,15 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from .. import packing
 from ..cluster.process_group import Job, current_job
-from ..cross_device_ops import CrossDeviceOps
 from ..devices import Device
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, WorkerFailureError
 from ..reduce_op import ReduceOp
-from ..reduction import describe, gather_components
-from ..runtime.topology import Topology
+from ..reduction import describe
+from ..topology import Topology
+from . import packing
+from .cross_device_ops import CrossDeviceOps
+from .host import concat
 
 __all__ = ["DistributedCommunicator"]
 
@@ -134,9 +135,8 @@ class DistributedCommunicator:
                destinations: tuple[Device, ...]) -> tuple[list[torch.Tensor], list[int]]:
         """Concatenates every replica's component along ``dim``, in global replica order
         (sizes along ``dim`` may differ): see `Communicator.gather`."""
-        local = gather_components(per_replica, dim, self._wire.torch_device,
-                                  labels=self._topology.labels)
-        dim = dim % local.dim()
+        dim = dim % per_replica[0].dim()
+        local = concat(per_replica, dim, self._wire.torch_device)
         rest = [s for d, s in enumerate(local.shape) if d != dim]
         dtype = str(local.dtype).removeprefix("torch.")
         call = f"gather(dim={dim}: {dtype}, other dims {rest})"

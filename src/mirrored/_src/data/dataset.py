@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .. import pytree
-from ..runtime.topology import Topology
+from ..topology import Topology
 from ..values import PerReplica
 from .input import InputContext, InputOptions
 from .prefetch import InlineSteps, Prefetcher

@@ -18,11 +18,11 @@ import torch
 
 from ..devices import current_device
 from ..errors import ReplicaAbortedError
+from ..topology import Topology
 from .executor import Executor, ReplicaFailure
 from .rendezvous import Arrival, CollectiveFailure
 from .rendezvous import Rendezvous as Rendezvous
 from .thread_state import capture
-from .topology import Topology
 
 __all__ = ["InlineRuntime", "Runtime", "ThreadRuntime"]
 

@@ -16,7 +16,7 @@ from ..comm.selection import CommunicatorSelector
 from ..devices import Device, parse_device, parse_devices
 from ..options import CommunicationOptions
 from ..runtime.runtime import InlineRuntime, ThreadRuntime
-from ..runtime.topology import Topology
+from ..topology import Topology
 from .strategy import Strategy
 
 __all__ = ["MirroredStrategy", "OneDeviceStrategy", "default_strategy"]

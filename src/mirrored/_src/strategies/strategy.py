@@ -8,20 +8,24 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
-from .. import context, pytree
+from .. import context
 from ..collectives import cross_replica
 from ..collectives.parts import Parts
 from ..comm.selection import CommunicatorSelector
+from ..data import DistributedDataset, DistributedDatasetsFromFunction, InputContext, InputOptions
 from ..options import CommunicationOptions
 from ..reduce_op import ReduceOp
 from ..runtime.runtime import Runtime
-from ..runtime.topology import Topology
-from ..values import DistributedValues, PerReplica, ValueContext, regroup, select_replica
+from ..topology import Topology
+from ..training.module import MirroredModule, mirror
+from ..training.optimizer import MirroredOptimizer, mirror_optimizer
+from ..values import ValueContext, regroup
+from . import distribute
 from .extended import StrategyExtended
 from .replica_context import ReplicaContext
 
@@ -112,20 +116,6 @@ class Strategy:
                 f"{self._parts.name}.{method} requires cross-replica context; use "
                 "get_replica_context().merge_call() or call it outside strategy.run")
 
-    def _check_all(self, tree: Any) -> tuple[list[Any], pytree.PyTreeSpec, bool]:
-        leaves, spec = pytree.flatten(tree)
-        n = self._parts.topology.num_local_replicas
-        distributed = False
-        for index, leaf in enumerate(leaves):
-            if isinstance(leaf, DistributedValues):
-                distributed = True
-                if len(leaf.values) != n:
-                    path = pytree.flatten_with_path(tree)[0][index]
-                    root, path = ("args", path[1:]) if path[0] == 0 else ("kwargs", path[1:])
-                    cross_replica.check_components(self._parts, leaf,
-                                                   pytree.format_path(path, root))
-        return leaves, spec, distributed
-
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (),
             kwargs: dict[str, Any] | None = None, options: Any = None) -> Any:
         """Runs ``fn(*args, **kwargs)`` once per replica, concurrently, in replica context.
@@ -163,18 +153,16 @@ class Strategy:
             kwargs = {}
         elif not isinstance(kwargs, dict):
             raise TypeError(f"run(fn, kwargs=...) takes a dict; got {type(kwargs).__name__}")
-        distributed = False
-        if args or kwargs:
-            leaves, spec, distributed = self._check_all((tuple(args), kwargs))
+        replica_args = distribute.split_args(self._parts, args, kwargs)
         contexts = self._contexts
 
         def call(i: int) -> Any:
-            a, k = pytree.unflatten(spec, select_replica(i, leaves)) if distributed else (
-                args, kwargs)
+            a, k = replica_args(i)
             with context.in_replica(self, contexts[i]):
                 return fn(*a, **k)
 
-        results = self._parts.runtime.run(call)
+        with context.running(self):
+            results = self._parts.runtime.run(call)
         return regroup(results, topology.device_names)
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: Any = None) -> Any:
@@ -228,16 +216,7 @@ class Strategy:
             >>> strategy.experimental_local_results({"x": v, "y": 2})
             ({'x': tensor(0), 'y': 2}, {'x': tensor(1), 'y': 2})
         """
-        n = self._parts.topology.num_local_replicas
-        if isinstance(value, DistributedValues):
-            cross_replica.check_components(self._parts, value, "value")
-            return value.values
-        leaves, spec = pytree.flatten(value)
-        for k, leaf in enumerate(leaves):
-            if isinstance(leaf, DistributedValues):
-                cross_replica.check_components(
-                    self._parts, leaf, pytree.format_path(pytree.flatten_with_path(value)[0][k]))
-        return tuple(pytree.unflatten(spec, select_replica(i, leaves)) for i in range(n))
+        return distribute.local_results(self._parts, value)
 
     def experimental_distribute_values_from_function(
             self, value_fn: Callable[[ValueContext], Any]) -> Any:
@@ -252,17 +231,71 @@ class Strategy:
             ...     lambda ctx: torch.tensor(ctx.replica_id_in_sync_group * 2))
             PerReplica:{0: tensor(0), 1: tensor(2)}
         """
-        topology = self._parts.topology
-        values = []
-        for i, device in enumerate(topology.devices):
-            value = value_fn(ValueContext(topology.replica_ids[i], topology.num_replicas_in_sync))
-            if device.kind != "CPU":
-                value = pytree.tree_map(lambda x, t=topology.torch_devices[i]: x.to(t) if
-                                        isinstance(x, torch.Tensor) else x, value)
-            values.append(value)
-        if self._raw_single_values:
-            return values[0]
-        if all(v is None for v in values):
-            return PerReplica._from_trusted(tuple(values), topology.device_names)
-        return regroup(values, topology.device_names, collapse_identical=False,
-                       always_per_replica=True)
+        return distribute.distribute_values(self._parts, value_fn,
+                                            raw_single_values=self._raw_single_values)
+
+    # ------------------------------------------------------------ input
+    def experimental_distribute_dataset(self, dataset: Iterable[Any],
+                                        options: InputOptions | None = None
+                                        ) -> DistributedDataset:
+        """Splits each global batch of ``dataset`` (a DataLoader, generator, list, ...)
+        by the split rule (contiguous chunks of ``ceil(b / N)`` rows, replica 0
+        first) and yields `PerReplica` batches on the replica devices.
+
+        Example:
+            >>> import torch, mirrored
+            >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> [b for b in strategy.experimental_distribute_dataset([torch.arange(3)])]
+            [PerReplica:{0: tensor([0, 1]), 1: tensor([2])}]
+        """
+        self._require_cross_replica("experimental_distribute_dataset")
+        return DistributedDataset(dataset, self._parts.topology, options)
+
+    def distribute_datasets_from_function(
+            self, dataset_fn: Callable[[InputContext], Iterable[Any]],
+            options: InputOptions | None = None) -> DistributedDatasetsFromFunction:
+        """Calls ``dataset_fn(InputContext)`` once per worker; its elements are per-replica
+        batches, taken whole by replica 0, 1, ... at each step.
+
+        Example:
+            >>> import torch, mirrored
+            >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> ds = strategy.distribute_datasets_from_function(
+            ...     lambda ctx: [torch.ones(2), torch.zeros(1)])
+            >>> next(iter(ds))
+            PerReplica:{0: tensor([1., 1.]), 1: tensor([0.])}
+        """
+        self._require_cross_replica("distribute_datasets_from_function")
+        return DistributedDatasetsFromFunction(dataset_fn, self._parts.topology, options)
+
+    # --------------------------------------------------------- training
+    def mirror(self, module: torch.nn.Module, *, sync_batch_norm: bool = False
+               ) -> MirroredModule:
+        """One copy of ``module`` per local replica device (`MirroredModule`); in
+        replica context a call runs the replica's copy. ``sync_batch_norm=True``
+        normalizes every BatchNorm layer with global-batch statistics.
+
+        Example:
+            >>> import torch, mirrored
+            >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> model = strategy.mirror(torch.nn.Linear(2, 1))
+            >>> len(model.replicas)
+            2
+        """
+        return mirror(self, module, sync_batch_norm=sync_batch_norm)
+
+    def mirror_optimizer(self, module: MirroredModule,
+                         make_optimizer: Callable[[Any], torch.optim.Optimizer]
+                         ) -> MirroredOptimizer:
+        """One optimizer per replica copy of ``module``, built by ``make_optimizer(params)``;
+        ``step()`` inside ``run`` all-reduces the gradients first (`MirroredOptimizer`).
+
+        Example:
+            >>> import torch, mirrored
+            >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> model = strategy.mirror(torch.nn.Linear(2, 1))
+            >>> opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+            >>> len(opt.optimizers)
+            2
+        """
+        return mirror_optimizer(self, module, make_optimizer)

@@ -27,14 +27,6 @@ if TYPE_CHECKING:
 __all__ = ["MirroredModule", "mirror", "replica_index", "replica_of"]
 
 
-def _run_in_flight(strategy: Strategy) -> bool:
-    """Whether some thread is inside ``strategy.run`` right now."""
-    # The one reach into the strategy's runtime: its run lock (held during a run).
-    lock = getattr(strategy, "_run_lock", None) or getattr(
-        getattr(strategy, "_runtime", None), "_run_lock", None)
-    return bool(lock is not None and lock.locked())
-
-
 def replica_index(strategy: Strategy, what: str, *, required: bool) -> int | None:
     """The local index of the calling replica of ``strategy``, or ``None`` for
     cross-replica code (only when ``required`` is false).
@@ -47,7 +39,7 @@ def replica_index(strategy: Strategy, what: str, *, required: bool) -> int | Non
     ctx = context.current_replica_context()
     if ctx is not None and ctx.strategy is strategy:
         local = len(strategy.extended.worker_devices)
-        return ctx.replica_id_in_sync_group % local
+        return int(ctx.replica_id_in_sync_group) % local
     if ctx is not None and context.has_strategy():
         raise RuntimeError(
             f"{what} belongs to {strategy!r} but was called inside the run of another strategy "
@@ -59,7 +51,7 @@ def replica_index(strategy: Strategy, what: str, *, required: bool) -> int | Non
             "(it all-reduces across replicas); it was called "
             + ("in cross-replica context" if context.in_cross_replica_context()
                else "outside strategy.run"))
-    if not context.in_cross_replica_context() and _run_in_flight(strategy):
+    if not context.in_cross_replica_context() and context.run_in_flight(strategy):
         raise RuntimeError(
             f"{what} was called from a thread that is not a replica of {strategy!r} while its "
             "run is in flight (e.g. a thread started inside fn); call it from the replica "

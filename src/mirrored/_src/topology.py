@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from ..devices import Device
+from .devices import Device
 
 __all__ = ["Topology"]
 

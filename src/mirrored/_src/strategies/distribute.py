@@ -1,0 +1,79 @@
+"""How a strategy moves between plain values and per-replica ones: splitting `run`'s
+arguments by replica, a value's local results, and building per-replica values from
+a function. Pure functions over the strategy's `Parts`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .. import pytree
+from ..collectives.cross_replica import check_components
+from ..collectives.parts import Parts
+from ..values import DistributedValues, PerReplica, ValueContext, regroup, select_replica
+
+__all__ = ["distribute_values", "local_results", "split_args"]
+
+
+def split_args(parts: Parts, args: Any, kwargs: dict[str, Any]
+               ) -> Callable[[int], tuple[Any, dict[str, Any]]]:
+    """``(args_i, kwargs_i)`` for local replica ``i``: every distributed leaf replaced by
+    its component ``i``, other leaves shared.
+
+    Raises:
+        ValueError: a distributed leaf with the wrong number of components (named by
+            its path, ``args[0]['x']``).
+    """
+    if not args and not kwargs:
+        return lambda i: (args, kwargs)
+    tree = (tuple(args), kwargs)
+    leaves, spec = pytree.flatten(tree)
+    distributed = False
+    for index, leaf in enumerate(leaves):
+        if isinstance(leaf, DistributedValues):
+            distributed = True
+            if len(leaf.values) != parts.topology.num_local_replicas:
+                path = pytree.flatten_with_path(tree)[0][index]
+                root = "args" if path[0] == 0 else "kwargs"
+                check_components(parts, leaf, pytree.format_path(path[1:], root))
+    if not distributed:
+        return lambda i: (args, kwargs)
+    return lambda i: pytree.unflatten(spec, select_replica(i, leaves))
+
+
+def local_results(parts: Parts, value: Any) -> tuple[Any, ...]:
+    """`Strategy.experimental_local_results`."""
+    if isinstance(value, DistributedValues):
+        check_components(parts, value, "value")
+        return value.values
+    leaves, spec = pytree.flatten(value)
+    for k, leaf in enumerate(leaves):
+        if isinstance(leaf, DistributedValues):
+            check_components(parts, leaf,
+                             pytree.format_path(pytree.flatten_with_path(value)[0][k]))
+    return tuple(pytree.unflatten(spec, select_replica(i, leaves))
+                 for i in range(parts.topology.num_local_replicas))
+
+
+def _mover(target: torch.device) -> Callable[[Any], Any]:
+    return lambda x: x.to(target) if isinstance(x, torch.Tensor) else x
+
+
+def distribute_values(parts: Parts, value_fn: Callable[[ValueContext], Any], *,
+                      raw_single_values: bool) -> Any:
+    """`Strategy.experimental_distribute_values_from_function`."""
+    topology = parts.topology
+    values = []
+    for i, device in enumerate(topology.devices):
+        value = value_fn(ValueContext(topology.replica_ids[i], topology.num_replicas_in_sync))
+        if device.kind != "CPU":
+            value = pytree.tree_map(_mover(topology.torch_devices[i]), value)
+        values.append(value)
+    if raw_single_values:
+        return values[0]
+    if all(v is None for v in values):
+        return PerReplica._from_trusted(tuple(values), topology.device_names)
+    return regroup(values, topology.device_names, collapse_identical=False,
+                   always_per_replica=True)

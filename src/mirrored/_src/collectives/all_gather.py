@@ -15,7 +15,7 @@ import torch
 from .. import pytree
 from ..options import CommunicationOptions
 from ..reduction import check_dtype, leaf_dims, masked_shape
-from ..runtime.rendezvous import Arrival, CallSpec
+from ..runtime.contract import Arrival, CallSpec
 from .all_reduce import gradient_all_reduce, zeros_for_none
 from .call import refuse_in_merge_fn, tensors_of, with_paths
 from .parts import Parts

@@ -26,7 +26,7 @@ from ..reduction import (
     plan_leaf,
     prepare,
 )
-from ..runtime.rendezvous import Arrival, CallSpec, CollectiveFailure
+from ..runtime.contract import Arrival, CallSpec, CollectiveFailure
 from .call import paths_of, refuse_in_merge_fn, tensors_of, with_paths
 from .parts import Parts
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .. import context, pytree
-from ..runtime.rendezvous import Arrival, CallSpec
+from ..runtime.contract import Arrival, CallSpec
 from ..values import DistributedValues, regroup, select_replica
 from .call import refuse_in_merge_fn
 from .parts import Parts

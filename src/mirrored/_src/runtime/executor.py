@@ -1,34 +1,37 @@
 """The only module with threads: runs one call per replica, concurrently.
 
-An `Executor` owns ``N - 1`` persistent daemon threads, started on first use.
-Each ``run`` is a `_Task` with one *claim* per replica::
+An `Executor` owns persistent daemon threads, started on first use. Each ``run``
+is a `_Task` with one *claim* per replica::
 
-    caller thread                      replica thread i (i >= 1)
-    -------------                      -------------------------
-    publish task, wake threads  ---->  wake (lock released)
-    claim 0, run replica 0             claim i? -- yes --> run replica i
-    claim 1..N-1 not yet claimed,                  no ---> sleep again
-      run them here ("steal")          last replica to finish releases `done`
-    wait on `done` (if not last)
-    return results in replica order
+    caller thread                       replica thread i
+    -------------                       ----------------
+    publish task, wake threads   ---->  wake (lock released)
+    claim 0, run replica 0              claim i? -- yes --> run replica i
+    claim the rest not yet claimed,                 no ---> sleep again
+      run them here ("steal")           the last replica to finish signals `done`
+    wait on `done` (woken early if the rendezvous breaks: then wait `grace` more)
+    return results in replica order, or abandon the replicas still running
 
-Replica 0 runs on the calling thread, and a replica whose thread has not woken
-up by the time the caller is free runs on the caller too. Waking a blocked
-thread costs tens of microseconds on a small machine, so a trivial step never
-waits for a wake-up; a long step runs on all threads at once. Stealing is safe
-for collectives: the caller steals only after replica 0 has returned, and a
-collective needs every replica at once, so a replica that reaches one while
-replica 0 is finished fails with a mismatch either way.
+Replica 0 runs on the calling thread (unless ``caller_runs=False``: then every
+replica has a thread and the caller only waits, so ``run`` can return even when
+a replica is stuck in user code), and a replica whose thread has not woken up by
+the time the caller is free runs on the caller too. Waking a thread costs tens of
+microseconds, so a trivial step never waits for a wake-up. Stealing is safe for
+collectives: the caller steals only after replica 0 returned, and a collective
+needs every replica at once.
 
-States of a worker: blocked on ``_wake`` -> running (claimed replica or nothing)
--> blocked. ``close()`` publishes ``_STOP``, wakes it and joins it: it exits.
+A replica still running when ``run`` gives up (after a broken rendezvous plus
+``grace``, or after an interrupt) is a *straggler*: its later outcome is dropped,
+and the next ``run`` waits for its thread at most ``straggler_wait`` seconds, then
+raises `RuntimeError` naming it. ``close()`` publishes ``_STOP`` and joins.
 """
 
 from __future__ import annotations
 
 import _thread
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = ["Executor", "ReplicaFailure"]
@@ -37,7 +40,7 @@ _STOP = object()
 
 
 class ReplicaFailure:
-    """An exception raised by one replica, with the replica's id."""
+    """An exception raised by one replica, with the replica's index."""
 
     __slots__ = ("error", "replica_id")
 
@@ -47,136 +50,266 @@ class ReplicaFailure:
 
 
 class _Task:
-    __slots__ = ("_claimed", "_done", "_lock", "_remaining", "call", "failures", "on_exit",
-                 "results")
+    __slots__ = ("_done", "_finished", "_lock", "_owner", "_remaining", "_signaled", "call",
+                 "failures", "on_exit", "results")
 
     def __init__(self, call: Callable[[int], Any], n: int,
-                 on_exit: Callable[[int, BaseException | None], None] | None) -> None:
-        self.call = call
+                 on_exit: Callable[[int, BaseException | None], None]) -> None:
+        self.call: Callable[[int], Any] | None = call
         self.on_exit = on_exit
         self.results: list[Any] = [None] * n
         self.failures: list[ReplicaFailure] = []
-        self._claimed = [False] * n
+        self._owner: list[str | None] = [None] * n
+        self._finished = [False] * n
         self._remaining = n
         self._lock = _thread.allocate_lock()
         self._done = _thread.allocate_lock()
         self._done.acquire()
+        self._signaled = False
 
-    def claim(self, index: int) -> bool:
+    def claim(self, index: int, owner: str) -> bool:
         with self._lock:
-            if self._claimed[index]:
+            if self._owner[index] is not None:
                 return False
-            self._claimed[index] = True
+            self._owner[index] = owner
             return True
 
     def execute(self, index: int) -> None:
         error: BaseException | None = None
         try:
-            self.results[index] = self.call(index)
+            call = self.call
+            if call is not None:
+                self.results[index] = call(index)
         except BaseException as e:  # re-raised by the caller of Executor.run
             error = e
             with self._lock:
                 self.failures.append(ReplicaFailure(index, e))
         finally:
-            if self.on_exit is not None:
+            try:
                 self.on_exit(index, error)
-            with self._lock:
-                self._remaining -= 1
-                last = self._remaining == 0
-            if last:
-                self._done.release()
+            finally:
+                self._finish(index)
 
-    def wait(self, timeout: float = -1) -> bool:
-        return self._done.acquire(timeout=timeout)
+    def _finish(self, index: int) -> None:
+        with self._lock:
+            self._finish_locked(index)
+
+    def _finish_locked(self, index: int) -> None:
+        if not self._finished[index]:
+            self._finished[index] = True
+            self._remaining -= 1
+            if self._remaining == 0:
+                self._signal_locked()
+
+    def _signal_locked(self) -> None:
+        if not self._signaled:
+            self._signaled = True
+            self._done.release()
+
+    def signal(self) -> None:
+        """Wakes the caller's wait (the rendezvous broke)."""
+        with self._lock:
+            self._signal_locked()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Waits until every replica finished (``True``), a signal, or the timeout."""
+        if timeout is None:
+            self._done.acquire()
+        else:
+            self._done.acquire(timeout=max(timeout, 0.0))
+        return self.rearm()
+
+    def rearm(self) -> bool:
+        """``True`` if every replica finished; else makes the next signal count."""
+        with self._lock:
+            if self._remaining == 0:
+                return True
+            self._done.acquire(False)  # consume a pending signal, if any
+            self._signaled = False
+            return False
+
+    def settle_caller(self) -> None:
+        """After an interrupt of the caller: its own replicas are no longer running and
+        replicas nobody claimed never will."""
+        with self._lock:
+            for i, owner in enumerate(self._owner):
+                if owner is None:
+                    self._owner[i] = "cancelled"
+                    self._finish_locked(i)
+                elif owner == "caller":
+                    self._finish_locked(i)
+
+    def unfinished(self) -> list[int]:
+        with self._lock:
+            return [i for i, done in enumerate(self._finished) if not done]
+
+    def has_interrupt(self) -> bool:
+        with self._lock:
+            return any(not isinstance(f.error, Exception) for f in self.failures)
 
 
 class _Worker:
-    __slots__ = ("index", "task", "thread", "wake")
+    __slots__ = ("busy", "idle", "index", "task", "thread", "wake")
 
     def __init__(self, index: int, name: str) -> None:
         self.index = index
         self.task: object = None
+        self.busy = False
+        self.idle = threading.Event()
+        self.idle.set()
         self.wake = _thread.allocate_lock()
         self.wake.acquire()
-        self.thread = threading.Thread(target=self._loop, name=f"{name}-replica-{index}",
-                                       daemon=True)
+        self.thread = threading.Thread(target=_loop, args=(self,),
+                                       name=f"{name}-replica-{index}", daemon=True)
         self.thread.start()
-
-    def _loop(self) -> None:
-        wake = self.wake
-        while True:
-            wake.acquire()
-            task = self.task
-            if task is _STOP:
-                return
-            if isinstance(task, _Task) and task.claim(self.index):
-                task.execute(self.index)
 
     def publish(self, task: object) -> None:
         self.task = task
-        # Only this executor's caller releases `wake`, so `locked()` cannot change to
-        # False underneath us: either the worker still has a pending wake (it will read
-        # the task published above), or we give it one.
+        # Only the executor's caller releases `wake`, so `locked()` cannot turn False
+        # underneath us: either the worker has a pending wake (it will read the task
+        # published above), or we give it one.
         if self.wake.locked():
             self.wake.release()
+
+
+def _loop(worker: _Worker) -> None:
+    # A plain function over the worker (not a method of the executor), holding the
+    # task only while running it: an idle thread pins no strategy, closure or result.
+    wake = worker.wake
+    while True:
+        wake.acquire()
+        task = worker.task
+        if task is _STOP:
+            return
+        if isinstance(task, _Task) and task.claim(worker.index, "worker"):
+            worker.idle.clear()
+            worker.busy = True
+            try:
+                task.execute(worker.index)
+            finally:
+                worker.busy = False
+                worker.idle.set()
+        task = None
 
 
 class Executor:
     """Runs ``call(i)`` for every replica ``i`` concurrently; see the module docstring.
 
     Args:
-        num_replicas: how many replicas each `run` has.
+        labels: how messages name each replica; their number is the replica count.
         name: prefix of the thread names.
+        caller_runs: replica 0 (and stolen replicas) run on the caller's thread.
     """
 
-    def __init__(self, num_replicas: int, name: str = "mirrored") -> None:
-        self._n = num_replicas
+    def __init__(self, labels: Sequence[str], name: str = "mirrored", *,
+                 caller_runs: bool = True) -> None:
+        self._labels = tuple(labels)
+        self._n = len(self._labels)
         self._name = name
+        self._caller_runs = caller_runs
         self._workers: list[_Worker] = []
-        self._run_lock = threading.Lock()
         self._closed: str | None = None
+        self._current: _Task | None = None
+        self._straggler_wait = 0.0
+        self._timeout_hint: float | None = None
 
-    def run(self, call: Callable[[int], Any],
-            on_exit: Callable[[int, BaseException | None], None] | None = None,
-            on_interrupt: Callable[[], None] | None = None,
-            ) -> tuple[list[Any], list[ReplicaFailure]]:
-        """Runs ``call(i)`` for ``i`` in ``range(N)`` and waits for all of them.
+    def timed_out(self, seconds: float) -> None:
+        """A collective of the run in progress timed out after ``seconds``: its caller
+        stops waiting for every replica (a straggler gets ``seconds`` at the next run)."""
+        task = self._current
+        if task is not None:
+            self._timeout_hint = seconds
+            task.signal()
 
-        ``on_exit(i, error)`` is called on replica ``i``'s thread right after its call
-        returns or raises. Returns the results in replica order and the failures in
-        the order they happened; exceptions are not raised here, except one that
-        interrupts the wait (KeyboardInterrupt): then ``on_interrupt()`` releases the
-        replicas from their collectives, and the executor waits for them to return
-        (or, after 10 s, refuses further runs) before re-raising, so no replica of an
-        interrupted run can leak into the next one.
+    def reset_after_fork(self) -> None:
+        """In a forked child: the threads did not survive the fork."""
+        self._workers = []
+        self._current = None
+
+    def run(self, call: Callable[[int], Any], on_exit: Callable[[int, BaseException | None],
+            None], on_abort: Callable[[str], None], *, grace: float,
+            straggler_wait: float) -> tuple[list[Any], list[ReplicaFailure]]:
+        """Runs ``call(i)`` for every replica and waits for them.
+
+        ``on_exit(i, error)`` runs on replica ``i``'s thread right after its call.
+        Failures are returned, not raised, except an interrupt of the caller: then
+        ``on_abort(message)`` releases the replicas from their collectives, the
+        caller waits ``grace`` seconds for them, and re-raises.
+
+        Raises:
+            RuntimeError: the executor is closed, or a straggler of an abandoned run
+                is still busy after ``straggler_wait`` seconds.
         """
-        with self._run_lock:
-            if self._closed:
-                raise RuntimeError(f"this strategy's replica threads were {self._closed}; "
-                                   "create a new strategy")
-            n = self._n
-            task = _Task(call, n, on_exit)
-            if n > 1:
-                if not self._workers:
-                    self._workers = [_Worker(i, self._name) for i in range(1, n)]
-                for worker in self._workers:
-                    worker.publish(task)
-            task.claim(0)
-            task.execute(0)
-            for i in range(1, n):
-                if task.claim(i):
-                    task.execute(i)
-            try:
-                task.wait()
-            except BaseException:
-                if on_interrupt is not None:
-                    on_interrupt()
-                if not task.wait(timeout=10.0):
-                    self._closed = "left running by an interrupted run"
-                raise
+        if self._closed:
+            raise RuntimeError(f"this strategy's replica threads were {self._closed}; "
+                               "create a new strategy")
+        self._wait_for_stragglers()
+        n = self._n
+        task = _Task(call, n, on_exit)
+        first = 1 if self._caller_runs else 0
+        if n > first and not self._workers:
+            self._workers = [_Worker(i, self._name) for i in range(first, n)]
+        self._current = task
+        self._timeout_hint = None
+        try:
+            for worker in self._workers:
+                worker.publish(task)
+            if self._caller_runs:
+                for i in range(n):
+                    if task.has_interrupt():
+                        break
+                    if task.claim(i, "caller"):
+                        task.execute(i)
+                if task.has_interrupt():
+                    raise _Interrupted
+            if not task.wait():  # the rendezvous broke: give the others `grace`
+                self._bounded_wait(task, grace)
+            if task.unfinished():
+                self._abandon(task, self._timeout_hint or straggler_wait)
+        except BaseException as error:
+            interrupt = next((f.error for f in task.failures
+                              if not isinstance(f.error, Exception)), None)
+            on_abort("released because strategy.run was interrupted")
+            task.settle_caller()
+            self._bounded_wait(task, grace)
+            if task.unfinished():
+                self._abandon(task, max(straggler_wait, grace))
+            if isinstance(error, _Interrupted) and interrupt is not None:
+                return task.results, task.failures  # raised by the caller, with its note
+            raise
+        finally:
+            self._current = None
             for worker in self._workers:
                 worker.task = None
-            return task.results, task.failures
+        return task.results, task.failures
+
+    def _bounded_wait(self, task: _Task, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not task.rearm():
+            left = deadline - time.monotonic()
+            if left <= 0 or task.wait(left):
+                return
+
+    def _abandon(self, task: _Task, straggler_wait: float) -> None:
+        task.call = None  # replicas not started yet never will be
+        task.settle_caller()
+        self._straggler_wait = straggler_wait
+
+    def _wait_for_stragglers(self) -> None:
+        busy = [w for w in self._workers if w.busy]
+        if not busy:
+            return
+        deadline = time.monotonic() + self._straggler_wait
+        for worker in busy:
+            worker.idle.wait(max(deadline - time.monotonic(), 0.0))
+        still = [w for w in busy if w.busy]
+        if still:
+            names = ", ".join(self._labels[w.index] for w in still)
+            raise RuntimeError(
+                f"{names} of {self._name} is still running its function from an earlier run "
+                "that was abandoned (a collective timed out or run was interrupted while it "
+                f"was busy); waited {self._straggler_wait:g} s for it. The strategy works "
+                "again once that function returns")
 
     def close(self, timeout: float = 10.0) -> None:
         """Stops the replica threads and waits for them to exit; `run` fails afterwards.
@@ -185,12 +318,15 @@ class Executor:
         still exiting when Python finalizes can abort the process from a C++
         thread-local destructor.
         """
-        with self._run_lock:
-            self._closed = "closed"
-            workers, self._workers = self._workers, []
-            for worker in workers:
-                worker.publish(_STOP)
+        self._closed = "closed"
+        workers, self._workers = self._workers, []
+        for worker in workers:
+            worker.publish(_STOP)
         current = threading.current_thread()
         for worker in workers:
-            if worker.thread is not current:
+            if worker.thread is not current and not worker.busy:
                 worker.thread.join(timeout)
+
+
+class _Interrupted(Exception):
+    """A replica run on the caller's thread was interrupted (KeyboardInterrupt)."""

@@ -1,146 +1,45 @@
 """The meeting point of a collective: every replica deposits an `Arrival`, the last
 one checks the collective contract, combines, and releases the others.
 
-States, per collective slot::
+Each arrival waits on a lock of its own (a fresh `_Slot`), so a wake-up can never
+leak into a later wait, and every state change happens under one lock::
 
-    open --(replica i arrives, not last)--> waiting on its wake-up lock
-    open --(last replica arrives)--> completing --(results in mailboxes)--> open
-    any  --(mismatch | timeout | a replica exits early or raises)--> broken
+    open --(replica i arrives, not last)--> its slot waits
+    open --(last replica arrives)--> completing --(every slot done, woken)--> open
+    any  --(mismatch | timeout | a replica exits early or raises | abort)--> broken
 
-*Broken* lasts until the next ``run``: every waiting replica is released and
-raises, and every later collective call in this run raises at once, so no
-scenario hangs. Mismatch and timeout errors are raised in every replica; a
-replica released because another one raised gets `ReplicaAbortedError`, and
-``run`` reports the original exception instead.
+*Broken* lasts until the run ends: every waiting slot is done with the failure and
+woken, and every later call in the run raises at once. Each run has a generation;
+a replica of an abandoned run (a straggler) that reaches a collective later is
+refused, so it can never meet the replicas of the next run. Leaving a wait because
+of an interrupt withdraws the slot (or marks it done) without waiting for anything.
 """
 
 from __future__ import annotations
 
 import _thread
-import dataclasses
 import threading
-from collections.abc import Callable, Hashable, Sequence
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
-import torch
-
-from .. import pytree
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, ReplicaAbortedError
-from ..reduction import describe_spec
+from .contract import Arrival, CollectiveFailure, Failure, Raise, describe_call, mismatch_message
 
-__all__ = ["Arrival", "CallSpec", "CollectiveFailure", "Failure", "Rendezvous"]
+__all__ = ["Rendezvous"]
 
 P = TypeVar("P")
 R = TypeVar("R")
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Raise:
-    """A result slot that re-raises an exception raised while combining."""
+class _Slot:
+    __slots__ = ("arrival", "done", "result", "wake")
 
-    error: BaseException
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Failure:
-    """A result slot that raises ``error_type(message)`` in its replica."""
-
-    error_type: type[BaseException]
-    message: str
-
-    def error(self) -> BaseException:
-        return self.error_type(self.message)
-
-
-class CollectiveFailure(Exception):
-    """Raised by a ``combine`` to fail the collective in *every* replica with
-    ``error_type(message)`` (e.g. MIN over no elements); any other exception is
-    delivered to replica 0 and the others are released."""
-
-    def __init__(self, error_type: type[BaseException], message: str) -> None:
-        super().__init__(message)
-        self.failure = Failure(error_type, message)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class CallSpec:
-    """What one replica's collective call looks like, for the contract check.
-
-    ``key`` must be equal on every replica (title, structure, shapes with the
-    reduced/gathered dims masked, dtypes); ``leaves`` (dtype and shape per leaf)
-    and ``value`` describe the inputs in error messages.
-    """
-
-    title: str
-    site: str
-    key: Hashable
-    structure: pytree.PyTreeSpec | None = None
-    leaves: tuple[tuple[torch.dtype, tuple[int, ...]], ...] = ()
-    value: Any = None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Arrival(Generic[P, R]):
-    """What one replica brings to a collective: its call, its payload, and how to
-    combine every replica's payload (run once, by the last replica to arrive, on the
-    payloads in replica order; returns one result per replica)."""
-
-    call: CallSpec
-    payload: P
-    combine: Callable[[Sequence[P]], Sequence[R]]
-
-    @property
-    def title(self) -> str:
-        return self.call.title
-
-    @property
-    def site(self) -> str:
-        return self.call.site
-
-
-def _describe(call: CallSpec, index: int | None) -> str:
-    leaves = call.leaves
-    if index is not None:
-        inputs = describe_spec(*leaves[index])
-    elif len(leaves) <= 4:
-        inputs = ", ".join(describe_spec(*leaf) for leaf in leaves)
-    else:
-        inputs = f"{len(leaves)} leaves"
-    return f"{call.title} of {inputs or 'nothing'} at {call.site}"
-
-
-def mismatch_message(calls: Sequence[CallSpec], labels: Sequence[str]) -> str | None:
-    """``None`` if every call has replica 0's key, else the error message."""
-    first = calls[0]
-    if all(c.key == first.key for c in calls):
-        return None
-    other = next(c for c in calls if c.key != first.key)
-    arrivals = calls
-    if other.title != first.title:
-        headline = "replicas called different collectives"
-        lines = [f"  {label}: {_describe(a, None)}" for label, a in zip(labels, arrivals,
-                                                                        strict=True)]
-    elif other.structure != first.structure:
-        found = pytree.first_difference(first.value, other.value)
-        where = found[0] if found else "value"
-        headline = f"replicas passed different structures (first difference at {where})"
-        lines = []
-        for label, a in zip(labels, arrivals, strict=True):
-            mine = pytree.first_difference(first.value, a.value) if a is not first else None
-            if mine is not None and mine[0] == where:
-                shape = mine[2]
-            else:  # same structure as replica 0 there
-                shape = found[1] if found else "the same structure"
-            lines.append(f"  {label}: {a.title} at {a.site} has {shape} at {where}")
-    else:
-        index = next(k for k, (x, y) in enumerate(zip(first.leaves, other.leaves, strict=True))
-                     if x != y) if first.leaves != other.leaves else None
-        paths = pytree.flatten_with_path(first.value)[0]
-        where = pytree.format_path(paths[index]) if index is not None else "value"
-        headline = f"replicas passed mismatched inputs (first difference at {where})"
-        lines = [f"  {label}: {_describe(a, index)}"
-                 for label, a in zip(labels, arrivals, strict=True)]
-    return f"{first.title} got mismatched calls: {headline}:\n" + "\n".join(lines)
+    def __init__(self, arrival: Arrival[Any, Any]) -> None:
+        self.arrival = arrival
+        self.done = False
+        self.result: Any = None
+        self.wake = _thread.allocate_lock()
+        self.wake.acquire()
 
 
 class Rendezvous:
@@ -148,205 +47,215 @@ class Rendezvous:
 
     Args:
         labels: how messages name each replica (``"replica 0 (CPU:0)"``).
+        on_timeout: called (under the lock) with the timeout when a collective times
+            out, so the caller of ``run`` stops waiting for a replica that may be stuck.
     """
 
-    def __init__(self, labels: Sequence[str]) -> None:
+    def __init__(self, labels: Sequence[str],
+                 on_timeout: Callable[[float], None] | None = None) -> None:
         self._labels = tuple(labels)
-        n = len(labels)
-        self._n = n
+        self._n = len(self._labels)
+        self._on_timeout = on_timeout
         self._lock = threading.Lock()
-        self._wakeups = [_thread.allocate_lock() for _ in range(n)]
-        for wake in self._wakeups:
-            wake.acquire()
-        self._arrivals: list[Arrival[Any, Any] | None] = [None] * n
-        self._count = 0
-        self._completing = False
-        self._mailbox: list[Any] = [None] * n
-        self._delivered = [False] * n
-        self._exited = [False] * n
-        self._broken: Failure | None = None
+        self._generation = 0
         self._active = False
+        self._round: list[_Slot | None] = [None] * self._n
+        self._count = 0
+        self._completing: tuple[_Slot, ...] = ()
         self._completer = 0
+        self._exited = [False] * self._n
+        self._broken: Failure | None = None
 
-    def start(self) -> None:
-        """Resets the state for a new ``run`` (no replica of an earlier one is running)."""
+    def start(self) -> int:
+        """Starts a new run; returns its generation."""
         with self._lock:
-            for wake in self._wakeups:
-                wake.acquire(False)  # a wake-up nobody consumed must not leak into this run
-            self._arrivals = [None] * self._n
+            self._generation += 1
+            self._active = True
+            self._round = [None] * self._n
             self._count = 0
-            self._completing = False
-            self._mailbox = [None] * self._n
-            self._delivered = [False] * self._n
+            self._completing = ()
             self._exited = [False] * self._n
             self._broken = None
-            self._active = True
+            return self._generation
 
     def finish(self) -> None:
-        """Marks the end of a ``run``."""
+        """Ends the current run: later calls from its replicas are refused."""
         with self._lock:
             self._active = False
+            self._round = [None] * self._n
 
     # ----------------------------------------------------------- exchange
-    def exchange(self, replica_id: int, arrival: Arrival[P, R], timeout: float | None) -> R:
-        """Deposits ``arrival`` and returns this replica's result once all arrived.
+    def exchange(self, generation: int, index: int, arrival: Arrival[P, R],
+                 timeout: float | None) -> R:
+        """Deposits ``arrival`` for replica ``index`` and returns its result once every
+        replica arrived.
 
         Raises:
-            CollectiveMismatchError: the replicas' calls differ, or a replica returned
-                from its function while others wait.
+            CollectiveMismatchError: the calls differ, or a replica returned from its
+                function while others wait.
             CollectiveTimeoutError: not every replica arrived within ``timeout``.
-            ReplicaAbortedError: another replica raised.
-            RuntimeError: called outside ``run``.
+            ReplicaAbortedError: another replica raised, or ``run`` was interrupted.
+            RuntimeError: called outside ``run`` or from an abandoned run.
         """
         with self._lock:
-            if not self._active:
-                raise RuntimeError(
-                    f"{arrival.title} at {arrival.site} was called outside strategy.run: "
-                    "collectives (and backward passes through them) must run inside the step "
-                    "function, in every replica"
-                )
+            if not self._active or generation != self._generation:
+                raise RuntimeError(self._outside_message(arrival, generation))
             if self._broken is not None:
-                raise self._broken.error_type(self._broken.message)
+                raise self._broken.error()
             exited = [j for j in range(self._n) if self._exited[j]]
             if exited:
-                message = self._early_exit_message(
-                    exited, {**{j: a for j, a in enumerate(self._arrivals) if a is not None},
-                             replica_id: arrival})
-                self._break(CollectiveMismatchError, message)
+                waiting = {j: s.arrival for j, s in enumerate(self._round) if s is not None}
+                message = self._early_exit_message(exited, {**waiting, index: arrival})
+                self._break_locked(CollectiveMismatchError, message)
                 raise CollectiveMismatchError(message)
             if self._completing and self._completer == threading.get_ident():
                 raise RuntimeError(
                     f"{arrival.title} at {arrival.site} was called while combining another "
                     "collective (from a merge_fn?); collectives, and backward passes through "
-                    "them, cannot run inside a merge_fn"
-                )
-            self._arrivals[replica_id] = arrival
+                    "them, cannot run inside a merge_fn")
+            slot = _Slot(arrival)
+            self._round[index] = slot
             self._count += 1
             last = self._count == self._n
             if last:
-                arrivals = [a for a in self._arrivals if a is not None]
-                self._completing = True
+                slots = tuple(s for s in self._round if s is not None)
+                self._round = [None] * self._n
+                self._count = 0
+                self._completing = slots
                 self._completer = threading.get_ident()
-        result: R = (self._wait(replica_id, arrival, timeout) if not last
-                     else self._complete(replica_id, arrivals))
+        if last:
+            self._complete(index, slots)
+        else:
+            self._wait(slot, timeout)
+        result: R = _take(slot)
         return result
 
-    def _complete(self, replica_id: int, arrivals: list[Arrival[Any, Any]]) -> Any:
-        message: str | None = None
+    def _complete(self, index: int, slots: tuple[_Slot, ...]) -> None:
+        results: Sequence[Any]
+        interrupt: BaseException | None = None
         try:
-            message = mismatch_message([a.call for a in arrivals], self._labels)
+            calls = [s.arrival.call for s in slots]
+            message = mismatch_message(calls, self._labels)
             if message is not None:
-                results: Sequence[Any] = [Failure(CollectiveMismatchError, message)] * self._n
+                results = [Failure(CollectiveMismatchError, message)] * self._n
             else:
-                results = arrivals[0].combine([a.payload for a in arrivals])
+                results = slots[0].arrival.combine([s.arrival.payload for s in slots])
         except CollectiveFailure as failure:  # raised in every replica
+            message = None
             results = [failure.failure] * self._n
-        except BaseException as error:  # delivered to replica 0, whose call it was
+        except Exception as error:  # delivered to replica 0, whose call it was
+            message = None
             aborted = Failure(ReplicaAbortedError, (
-                f"{arrivals[0].title} at {arrivals[0].site} failed in replica 0 with "
-                f"{type(error).__name__}: {error}"))
-            results = [_Raise(error), *([aborted] * (self._n - 1))]
+                f"{slots[0].arrival.title} at {slots[0].arrival.site} failed in replica 0 "
+                f"with {type(error).__name__}: {error}"))
+            results = [Raise(error), *([aborted] * (self._n - 1))]
+        except BaseException as error:  # an interrupt on this (the caller's) thread
+            message = None
+            interrupt = error
+            results = [Failure(ReplicaAbortedError, "released because strategy.run was "
+                               "interrupted")] * self._n
         with self._lock:
-            for j in range(self._n):
-                self._mailbox[j] = results[j]
-                self._delivered[j] = True
-                self._arrivals[j] = None
-            self._count = 0
-            self._completing = False
-            for j in range(self._n):
-                if j != replica_id:
-                    self._wakeups[j].release()
             if message is not None:
-                self._broken = Failure(CollectiveMismatchError, message)
-        return self._take(replica_id)
+                self._break_locked(CollectiveMismatchError, message)
+            broken = self._broken if message is None else None
+            for j, slot in enumerate(slots):
+                if slot.done:
+                    continue  # abandoned, or already failed by an abort
+                slot.result = broken if broken is not None else results[j]
+                slot.done = True
+                if j != index:
+                    slot.wake.release()
+            self._completing = ()
+        if interrupt is not None:
+            raise interrupt
 
-    def _wait(self, replica_id: int, arrival: Arrival[Any, Any], timeout: float | None
-              ) -> Any:
-        wake = self._wakeups[replica_id]
+    def _wait(self, slot: _Slot, timeout: float | None) -> None:
         try:
-            woken = wake.acquire() if timeout is None else wake.acquire(timeout=timeout)
-        except BaseException:  # KeyboardInterrupt: leave the slot as if never arrived
-            self._abandon(replica_id)
-            raise
-        if woken:
-            return self._take(replica_id)
-        with self._lock:
-            if not (self._completing or self._delivered[replica_id]
-                    or self._broken is not None):
-                arrived = [j for j, a in enumerate(self._arrivals) if a is not None]
-                missing = [j for j in range(self._n) if j not in arrived]
-                self._break(CollectiveTimeoutError, (
-                    f"{arrival.title} at {arrival.site} timed out after {timeout:g} s: "
-                    f"{len(missing)} of {self._n} replicas did not arrive\n"
-                    + "\n".join(f"  {self._labels[j]}: arrived" for j in arrived) + "\n"
-                    + "\n".join(f"  {self._labels[j]}: missing" for j in missing)))
-        try:
-            wake.acquire()  # released at once by _break, or soon by the completing replica
-        except BaseException:
-            self._abandon(replica_id)
-            raise
-        return self._take(replica_id)
-
-    def _abandon(self, replica_id: int) -> None:
-        """Withdraws a waiting replica that stops waiting because of an exception, or
-        consumes the wake-up it was already given, so no lock is left released."""
-        with self._lock:
-            if self._arrivals[replica_id] is not None and not self._completing:
-                self._arrivals[replica_id] = None
-                self._count -= 1
+            woken = slot.wake.acquire(timeout=-1 if timeout is None else timeout)
+            if woken:
                 return
-        self._wakeups[replica_id].acquire()
-        with self._lock:
-            self._mailbox[replica_id] = None
-            self._delivered[replica_id] = False
+            with self._lock:
+                if slot.done:
+                    slot.wake.acquire(False)
+                    return
+                if slot not in self._completing:
+                    arrived = [j for j, s in enumerate(self._round) if s is not None]
+                    missing = [j for j in range(self._n) if j not in arrived]
+                    arrival = slot.arrival
+                    self._break_locked(CollectiveTimeoutError, (
+                        f"{arrival.title} at {arrival.site} timed out after {timeout:g} s: "
+                        f"{len(missing)} of {self._n} replicas did not arrive\n"
+                        + "\n".join(f"  {self._labels[j]}: arrived" for j in arrived) + "\n"
+                        + "\n".join(f"  {self._labels[j]}: missing" for j in missing)))
+                    if self._on_timeout is not None and timeout is not None:
+                        self._on_timeout(timeout)
+                    slot.wake.acquire(False)
+                    return
+            slot.wake.acquire()  # every replica arrived: the completer delivers soon
+        except BaseException:  # an interrupt: leave without waiting for anything
+            with self._lock:
+                if not slot.done:
+                    for j, waiting in enumerate(self._round):
+                        if waiting is slot:
+                            self._round[j] = None
+                            self._count -= 1
+                    slot.done = True
+                    slot.result = None
+            raise
 
     def abort(self, message: str) -> None:
-        """Breaks the current run's rendezvous (``run`` was interrupted)."""
+        """Breaks the current run (``run`` was interrupted or gave up on a replica):
+        every waiting replica, including those whose collective is being combined,
+        is released with `ReplicaAbortedError`."""
         with self._lock:
-            self._break(ReplicaAbortedError, message)
+            self._break_locked(ReplicaAbortedError, message)
+            failure = self._broken
+            for slot in self._completing:
+                if not slot.done:
+                    slot.result = failure
+                    slot.done = True
+                    slot.wake.release()
 
-    def _take(self, replica_id: int) -> Any:
-        with self._lock:
-            if self._delivered[replica_id]:
-                result = self._mailbox[replica_id]
-                self._mailbox[replica_id] = None
-                self._delivered[replica_id] = False
-            else:
-                result = self._broken
-        if isinstance(result, Failure):
-            raise result.error_type(result.message)
-        if isinstance(result, _Raise):
-            raise result.error
-        return result
-
-    def _break(self, error_type: type[BaseException], message: str) -> None:
-        # Caller holds the lock. Releases every waiting replica; later calls raise too.
+    def _break_locked(self, error_type: type[BaseException], message: str) -> None:
         if self._broken is not None:
             return
         self._broken = Failure(error_type, message)
-        if self._completing:
-            return  # the completing replica delivers results to everyone
-        for j, waiting in enumerate(self._arrivals):
-            if waiting is not None:
-                self._arrivals[j] = None
-                self._wakeups[j].release()
+        for j, slot in enumerate(self._round):
+            if slot is not None:
+                self._round[j] = None
+                if not slot.done:
+                    slot.result = self._broken
+                    slot.done = True
+                    slot.wake.release()
         self._count = 0
 
+
     # ------------------------------------------------------- replica exits
-    def replica_exited(self, replica_id: int, error: BaseException | None) -> None:
-        """Called when replica ``replica_id``'s function returned or raised."""
+    def replica_exited(self, generation: int, index: int, error: BaseException | None) -> None:
+        """Replica ``index`` of run ``generation`` returned (``error=None``) or raised."""
         with self._lock:
-            self._exited[replica_id] = True
+            if generation != self._generation or not self._active:
+                return  # a straggler of an abandoned run
+            self._exited[index] = True
             if self._broken is not None:
                 return
-            waiting = {j: a for j, a in enumerate(self._arrivals) if a is not None}
+            waiting = {j: s.arrival for j, s in enumerate(self._round) if s is not None}
             if error is not None:
-                self._break(ReplicaAbortedError, (
-                    f"released from a collective because {self._labels[replica_id]} raised "
+                self._break_locked(ReplicaAbortedError, (
+                    f"released from a collective because {self._labels[index]} raised "
                     f"{type(error).__name__}: {error}"))
             elif waiting:
-                self._break(CollectiveMismatchError,
-                            self._early_exit_message([replica_id], waiting))
+                self._break_locked(CollectiveMismatchError,
+                                   self._early_exit_message([index], waiting))
+
+    def _outside_message(self, arrival: Arrival[Any, Any], generation: int) -> str:
+        if self._active and generation and generation != self._generation:
+            return (f"{arrival.title} at {arrival.site} was called by a replica of an earlier "
+                    "strategy.run that was abandoned (it timed out or was interrupted while "
+                    "this replica was still busy); it cannot join the current run")
+        return (f"{arrival.title} at {arrival.site} was called outside strategy.run: "
+                "collectives (and backward passes through them) must run inside the step "
+                "function, in every replica")
 
     def _early_exit_message(self, exited: Sequence[int],
                             waiting: dict[int, Arrival[Any, Any]]) -> str:
@@ -356,7 +265,7 @@ class Rendezvous:
         for j in range(self._n):
             if j in waiting:
                 lines.append(f"  {self._labels[j]}: waiting in "
-                             f"{_describe(waiting[j].call, None)}")
+                             f"{describe_call(waiting[j].call, None)}")
             elif j in exited:
                 lines.append(f"  {self._labels[j]}: returned from its function")
             else:
@@ -364,3 +273,14 @@ class Rendezvous:
         return (f"{first.title} at {first.site} can never complete: {names} returned from its "
                 "function without calling it, while other replicas wait in it. Every replica "
                 "must make the same collective calls in the same order\n" + "\n".join(lines))
+
+
+def _take(slot: _Slot) -> Any:
+    result = slot.result
+    slot.result = None
+    slot.arrival = None  # type: ignore[assignment]  # free the payload
+    if isinstance(result, Failure):
+        raise result.error()
+    if isinstance(result, Raise):
+        raise result.error
+    return result

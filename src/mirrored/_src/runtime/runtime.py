@@ -1,16 +1,21 @@
 """The runtime of a strategy: run one callable per local replica, let replicas meet
 at collectives, abort. One object per strategy owns the executor (threads), the
-rendezvous (meetings) and the propagation of the caller's thread state.
+rendezvous (meetings), the propagation of the caller's thread state and the
+replicas' random streams.
 
 `ThreadRuntime` runs replicas concurrently on persistent threads (replica 0 on
-the caller's thread); `InlineRuntime` (the default strategy's) calls its one
-replica directly on the caller's thread, under the caller's device.
+the caller's thread, unless the strategy has a collective timeout: then every
+replica has a thread, so ``run`` returns even if replica 0 is stuck);
+`InlineRuntime` (the default strategy's) calls its one replica directly on the
+caller's thread, under the caller's device.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar, final
 
@@ -19,15 +24,19 @@ import torch
 from ..devices import current_device
 from ..errors import ReplicaAbortedError
 from ..topology import Topology
+from .contract import Arrival, CollectiveFailure
 from .executor import Executor, ReplicaFailure
-from .rendezvous import Arrival, CollectiveFailure
-from .rendezvous import Rendezvous as Rendezvous
-from .thread_state import capture
+from .random import RandomStreams
+from .rendezvous import Rendezvous
+from .thread_state import capture, refused_modes
 
 __all__ = ["InlineRuntime", "Runtime", "ThreadRuntime"]
 
 P = TypeVar("P")
 R = TypeVar("R")
+
+GRACE_SECONDS = 0.5  # how long run waits for the others once a run is given up
+MISUSE_SECONDS = 2.0  # how long run waits for another run of the same strategy
 
 
 class Runtime(Protocol):
@@ -77,6 +86,9 @@ def _on_device(device: torch.device) -> Iterator[None]:
             yield
 
 
+_runtimes: weakref.WeakSet[ThreadRuntime] = weakref.WeakSet()
+
+
 @final
 class ThreadRuntime:
     """Replicas on persistent threads; see the module docstring.
@@ -84,70 +96,123 @@ class ThreadRuntime:
     Args:
         topology: the strategy's replicas (local devices, labels).
         name: the strategy's class name, for thread names and error notes.
+        timeout_seconds: the strategy's collective timeout, if any.
+        per_replica_random: give logical CPU replicas random streams of their own.
     """
 
-    def __init__(self, topology: Topology, name: str) -> None:
+    def __init__(self, topology: Topology, name: str, *, timeout_seconds: float | None = None,
+                 per_replica_random: bool = True) -> None:
         self._topology = topology
         self._name = name
         self._n = topology.num_local_replicas
-        self._rendezvous = Rendezvous(topology.labels)
-        self._executor = Executor(self._n, name=name)
+        self._timeout = timeout_seconds
+        self._local = threading.local()  # .generation: the run a replica thread serves
+        self._streams = RandomStreams(topology.replica_ids) if (
+            per_replica_random and self._n > 1
+            and all(d.kind == "CPU" for d in topology.devices)) else None
+        self._reset()
+        _runtimes.add(self)
+
+    def _reset(self) -> None:
+        executor = Executor(self._topology.labels, self._name,
+                            caller_runs=self._timeout is None)
+        self._executor = executor
+        self._rendezvous = Rendezvous(self._topology.labels, on_timeout=executor.timed_out)
         self._run_lock = threading.Lock()
         self._caller_device = torch.device("cpu")
+        self._running = False
 
     @property
     def caller_device(self) -> torch.device:
         return self._caller_device
 
     def run(self, call: Callable[[int], Any]) -> list[Any]:
+        if self._n > 1:
+            modes = refused_modes()
+            if modes:
+                raise RuntimeError(
+                    f"{self._name}.run cannot carry {', '.join(modes)} into its replica "
+                    "threads (one mode object cannot be active on several threads); enter it "
+                    "inside the step function instead")
         caller_state = capture()
         caller_thread = threading.get_ident()
         caller_device = current_device()
         devices = self._topology.torch_devices
+        streams = self._streams
+        local = self._local
 
         def on_replica(i: int) -> Any:
+            local.generation = generation
             device = devices[i]
-            if device == caller_device and device.type == "cpu" and (
-                    threading.get_ident() == caller_thread or capture() == caller_state):
-                return call(i)  # the common case: nothing to set up
-            with contextlib.ExitStack() as stack:
-                if device != caller_device or device.type != "cpu":
-                    stack.enter_context(_on_device(device))
-                caller_state.apply(stack)
-                return call(i)
+            try:
+                if streams is None and device == caller_device and device.type == "cpu" and (
+                        threading.get_ident() == caller_thread or capture() == caller_state):
+                    return call(i)  # the common case: nothing to set up
+                with contextlib.ExitStack() as stack:
+                    if device != caller_device or device.type != "cpu":
+                        stack.enter_context(_on_device(device))
+                    caller_state.apply(stack)
+                    if streams is not None:
+                        stack.enter_context(streams.mode(i))
+                    return call(i)
+            finally:
+                local.generation = 0
 
         if self._n == 1:
+            generation = 0
             self._caller_device = caller_device
             try:
                 return [on_replica(0)]
             except Exception as error:
                 _add_note(error, self._note(0))
                 raise
-        rendezvous = self._rendezvous
-        with self._run_lock:  # one run at a time; concurrent callers queue here
+        self._acquire_run_lock()
+        try:
+            self._running = True
             self._caller_device = caller_device
-            rendezvous.start()
+            rendezvous = self._rendezvous
+            generation = rendezvous.start()
+            if streams is not None:
+                streams.start_run()
             try:
                 results, failures = self._executor.run(
-                    on_replica, rendezvous.replica_exited,
-                    lambda: rendezvous.abort("released because strategy.run was interrupted"))
+                    on_replica, lambda i, error: rendezvous.replica_exited(generation, i, error),
+                    rendezvous.abort, grace=GRACE_SECONDS,
+                    straggler_wait=self._timeout or GRACE_SECONDS)
             finally:
                 rendezvous.finish()
+        finally:
+            self._running = False
+            self._run_lock.release()
         if failures:
             raise self._failure_error(failures)
         return results
 
+    def _acquire_run_lock(self) -> None:
+        if self._run_lock.acquire(timeout=MISUSE_SECONDS):
+            return
+        raise RuntimeError(
+            f"{self._name}.run waited {MISUSE_SECONDS:g} s for another run of the same strategy "
+            "to finish. If this thread was started inside a step function, that run waits "
+            "for this thread and this thread for that run: a deadlock. Call collectives and "
+            "run only from the replica functions themselves (or use one strategy per thread)")
+
     def exchange(self, index: int, arrival: Arrival[P, R], timeout: float | None) -> R:
         if self._n == 1:
             return _complete_alone(arrival)
-        return self._rendezvous.exchange(index, arrival, timeout)
+        generation = getattr(self._local, "generation", 0)
+        return self._rendezvous.exchange(generation, index, arrival, timeout)
 
     def close(self) -> None:
+        if self._running and not getattr(self._local, "generation", 0):
+            raise RuntimeError(
+                f"{self._name}.close was called from a thread that is not a replica while a "
+                "run is in progress (e.g. a thread started inside the step function); close "
+                "the strategy after run returns")
         self._executor.close()
 
     def _note(self, index: int) -> str:
-        label = self._topology.labels[index]
-        return f"raised in {label} of {self._name}.run"
+        return f"raised in {self._topology.labels[index]} of {self._name}.run"
 
     def _failure_error(self, failures: Sequence[ReplicaFailure]) -> BaseException:
         # An interrupt first; then the root cause, not a replica released because of
@@ -158,6 +223,17 @@ class ThreadRuntime:
         failure = min(causes or failures, key=lambda f: f.replica_id)
         _add_note(failure.error, self._note(failure.replica_id))
         return failure.error
+
+
+def _after_fork_in_child() -> None:
+    # Threads do not survive a fork: give every runtime fresh threads, locks and state.
+    for runtime in list(_runtimes):
+        runtime._executor.reset_after_fork()
+        runtime._reset()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @final

@@ -1,24 +1,39 @@
 """Torch's thread-local state that a replica thread must share with the caller of
-``run``: grad mode, inference mode, and CPU and CUDA autocast.
+``run``: grad mode, inference mode, CPU and CUDA autocast, the intra-op thread
+count (``torch.set_num_threads``) and saved-tensor hooks.
 
-`capture` reads it on the caller's thread; `apply` enters it on a replica
-thread for the duration of the replica's function (nothing is entered when the
-replica thread already matches, the common case).
+`capture` reads it on the caller's thread; `ThreadState.apply` enters it on a
+replica thread for the duration of the replica's function (nothing is entered when
+the replica thread already matches, the common case). Torch function and dispatch
+modes (other than ``torch.device(...)``, which `run` handles) are *not* carried:
+one mode object cannot be active on several threads at once, so `refused_modes`
+names them and ``run`` refuses to start rather than apply them to one replica only.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._device import DeviceContext
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-__all__ = ["ThreadState", "capture"]
+__all__ = ["ThreadState", "capture", "refused_modes"]
+
+_Hooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None
+
+
+def _hooks() -> _Hooks:
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ThreadState:
-    """A snapshot of the caller's thread-local torch modes."""
+    """A snapshot of the caller's thread-local torch settings."""
 
     grad: bool
     inference: bool
@@ -26,9 +41,12 @@ class ThreadState:
     cpu_dtype: torch.dtype
     cuda_autocast: bool
     cuda_dtype: torch.dtype
+    num_threads: int
+    hooks: _Hooks
 
     def apply(self, stack: contextlib.ExitStack) -> None:
-        """Enters, on ``stack``, every mode of this thread that differs from the snapshot."""
+        """Enters, on ``stack``, every setting of this thread that differs from the
+        snapshot (the thread count is set, and stays set on the replica thread)."""
         if torch.is_inference_mode_enabled() != self.inference:
             stack.enter_context(torch.inference_mode(self.inference))
         if torch.is_grad_enabled() != self.grad:
@@ -41,10 +59,24 @@ class ThreadState:
                 self.cuda_autocast, self.cuda_dtype):
             stack.enter_context(torch.autocast("cuda", dtype=self.cuda_dtype,
                                                enabled=self.cuda_autocast))
+        if torch.get_num_threads() != self.num_threads:
+            torch.set_num_threads(self.num_threads)
+        if self.hooks is not None and _hooks() != self.hooks:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*self.hooks))
 
 
 def capture() -> ThreadState:
-    """The calling thread's modes."""
+    """The calling thread's settings."""
     return ThreadState(torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
                        torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
-                       torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+                       torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
+                       torch.get_num_threads(), _hooks())
+
+
+def refused_modes() -> list[str]:
+    """The active torch function/dispatch modes `run` cannot carry into replica threads."""
+    if torch._C._len_torch_function_stack() == 0 and not _get_current_dispatch_mode_stack():
+        return []
+    stack = _get_current_function_mode_stack()  # type: ignore[no-untyped-call]
+    modes = [m for m in stack if not isinstance(m, DeviceContext)]
+    return [type(m).__name__ for m in [*modes, *_get_current_dispatch_mode_stack()]]

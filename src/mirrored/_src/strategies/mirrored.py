@@ -32,11 +32,13 @@ def _options(options: CommunicationOptions | None) -> CommunicationOptions:
 
 
 def _local_parts(cls_name: str, devices: Sequence[Device], cross_device_ops: CrossDeviceOps |
-                 None, options: CommunicationOptions
+                 None, options: CommunicationOptions, per_replica_random: bool = True
                  ) -> tuple[Topology, ThreadRuntime, CommunicatorSelector]:
     topology = Topology(devices=tuple(devices))
     selector = CommunicatorSelector(topology.devices, cross_device_ops, options)
-    return topology, ThreadRuntime(topology, cls_name), selector
+    runtime = ThreadRuntime(topology, cls_name, timeout_seconds=options.timeout_seconds,
+                            per_replica_random=per_replica_random)
+    return topology, runtime, selector
 
 
 @final
@@ -51,7 +53,13 @@ class MirroredStrategy(Strategy):
             its own GPU, else `ReductionToOneDevice`. It wins over an ``AUTO``
             implementation; a contradicting ``RING``/``NCCL`` is a ``ValueError``.
         communication_options: default `CommunicationOptions` for collectives
-            (beyond TF, where only the multi-worker strategy takes them).
+            (beyond TF, where only the multi-worker strategy takes them). With a
+            ``timeout_seconds``, replica 0 runs on a thread of its own too, so ``run``
+            returns within the timeout even if a replica is stuck in user code.
+        per_replica_random: logical CPU replicas draw random numbers from streams of
+            their own, seeded from the caller's generator (reproducible under
+            ``torch.manual_seed``); ``False`` shares the CPU generator (faster: no
+            torch function mode around the replicas' functions).
 
     Raises:
         ValueError: an empty list, duplicates, a malformed name, a GPU that is not
@@ -70,13 +78,14 @@ class MirroredStrategy(Strategy):
 
     def __init__(self, devices: Sequence[str | torch.device] | None = None,
                  cross_device_ops: CrossDeviceOps | None = None, *,
-                 communication_options: CommunicationOptions | None = None) -> None:
+                 communication_options: CommunicationOptions | None = None,
+                 per_replica_random: bool = True) -> None:
         if devices is None:
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
             devices = [f"GPU:{i}" for i in range(count)] or ["CPU:0"]
         options = _options(communication_options)
         topology, runtime, selector = _local_parts(type(self).__name__, parse_devices(devices),
-                                                   cross_device_ops, options)
+                                                   cross_device_ops, options, per_replica_random)
         super().__init__(topology=topology, runtime=runtime, communicators=selector,
                          options=options)
 

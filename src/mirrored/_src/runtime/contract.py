@@ -1,0 +1,132 @@
+"""The collective contract: what a replica brings to a collective (`CallSpec`,
+`Arrival`), how a failure is carried to replicas (`Failure`, `CollectiveFailure`),
+and the mismatch message (one line per replica, with the pytree path of the first
+difference and the call sites)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from .. import pytree
+from ..reduction import describe_spec
+
+__all__ = ["Arrival", "CallSpec", "CollectiveFailure", "Failure", "Raise", "describe_call",
+           "mismatch_message"]
+
+P = TypeVar("P")
+R = TypeVar("R")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Raise:
+    """A result slot that re-raises an exception raised while combining."""
+
+    error: BaseException
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Failure:
+    """A result slot that raises ``error_type(message)`` in its replica."""
+
+    error_type: type[BaseException]
+    message: str
+
+    def error(self) -> BaseException:
+        return self.error_type(self.message)
+
+
+class CollectiveFailure(Exception):
+    """Raised by a ``combine`` to fail the collective in *every* replica with
+    ``error_type(message)`` (e.g. MIN over no elements); any other exception is
+    delivered to replica 0 and the others are released."""
+
+    def __init__(self, error_type: type[BaseException], message: str) -> None:
+        super().__init__(message)
+        self.failure = Failure(error_type, message)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CallSpec:
+    """What one replica's collective call looks like, for the contract check.
+
+    ``key`` must be equal on every replica (title, structure, shapes with the
+    reduced/gathered dims masked, dtypes); ``leaves`` (dtype and shape per leaf)
+    and ``value`` describe the inputs in error messages.
+    """
+
+    title: str
+    site: str
+    key: Hashable
+    structure: pytree.PyTreeSpec | None = None
+    leaves: tuple[tuple[torch.dtype, tuple[int, ...]], ...] = ()
+    value: Any = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Arrival(Generic[P, R]):
+    """What one replica brings to a collective: its call, its payload, and how to
+    combine every replica's payload (run once, by the last replica to arrive, on the
+    payloads in replica order; returns one result per replica)."""
+
+    call: CallSpec
+    payload: P
+    combine: Callable[[Sequence[P]], Sequence[R]]
+
+    @property
+    def title(self) -> str:
+        return self.call.title
+
+    @property
+    def site(self) -> str:
+        return self.call.site
+
+
+def describe_call(call: CallSpec, index: int | None) -> str:
+    leaves = call.leaves
+    if index is not None:
+        inputs = describe_spec(*leaves[index])
+    elif len(leaves) <= 4:
+        inputs = ", ".join(describe_spec(*leaf) for leaf in leaves)
+    else:
+        inputs = f"{len(leaves)} leaves"
+    return f"{call.title} of {inputs or 'nothing'} at {call.site}"
+
+
+def mismatch_message(calls: Sequence[CallSpec], labels: Sequence[str]) -> str | None:
+    """``None`` if every call has replica 0's key, else the error message."""
+    first = calls[0]
+    if all(c.key == first.key for c in calls):
+        return None
+    other = next(c for c in calls if c.key != first.key)
+    arrivals = calls
+    if other.title != first.title:
+        headline = "replicas called different collectives"
+        lines = [f"  {label}: {describe_call(a, None)}" for label, a in zip(labels, arrivals,
+                                                                        strict=True)]
+    elif other.structure != first.structure:
+        found = pytree.first_difference(first.value, other.value)
+        where = found[0] if found else "value"
+        headline = f"replicas passed different structures (first difference at {where})"
+        lines = []
+        for label, a in zip(labels, arrivals, strict=True):
+            mine = pytree.first_difference(first.value, a.value) if a is not first else None
+            if mine is not None and mine[0] == where:
+                shape = mine[2]
+            else:  # same structure as replica 0 there
+                shape = found[1] if found else "the same structure"
+            lines.append(f"  {label}: {a.title} at {a.site} has {shape} at {where}")
+    else:
+        index = next(k for k, (x, y) in enumerate(zip(first.leaves, other.leaves, strict=True))
+                     if x != y) if first.leaves != other.leaves else None
+        paths = pytree.flatten_with_path(first.value)[0]
+        where = pytree.format_path(paths[index]) if index is not None else "value"
+        headline = f"replicas passed mismatched inputs (first difference at {where})"
+        lines = [f"  {label}: {describe_call(a, index)}"
+                 for label, a in zip(labels, arrivals, strict=True)]
+    return f"{first.title} got mismatched calls: {headline}:\n" + "\n".join(lines)
+
+

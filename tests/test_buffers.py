@@ -50,9 +50,22 @@ def test_small_tensors_are_not_pooled():
     pool = BufferPool()
     small = pool.empty((4,), torch.float32, CPU)
     assert small.shape == (4,)
-    assert pool._entries == {}  # nothing kept, so nothing can be handed out twice
+    assert pool.nbytes == 0  # nothing kept, so nothing can be handed out twice
     pool.empty(SHAPE, torch.float32, CPU)
-    assert list(pool._entries) == [(SHAPE, torch.float32)]
+    assert pool.nbytes == 2 << 20
+
+
+def test_the_pool_keeps_at_most_its_byte_cap_and_empties_on_clear():
+    pool = BufferPool(max_bytes=5 << 20)
+    for length in range(1 << 19, (1 << 19) + 6):  # six keys of about 2 MiB, all dropped
+        pool.empty((length,), torch.float32, CPU)
+    assert 0 < pool.nbytes <= 5 << 20
+    pool.clear()
+    assert pool.nbytes == 0
+    held = pool.empty(SHAPE, torch.float32, CPU)
+    with torch.inference_mode():
+        other = pool.empty(SHAPE, torch.float32, CPU)  # never the same buffer as outside
+    assert other.data_ptr() != held.data_ptr() and other.is_inference()
 
 
 def test_reduce_results_are_not_overwritten_while_held():

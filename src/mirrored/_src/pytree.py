@@ -138,7 +138,9 @@ def _node_description(tree: Any) -> str:
     if tree is None:
         return "None"
     children = optree.tree_flatten_one_level(tree, is_leaf=_is_leaf, namespace=NAMESPACE)[0]
-    return f"a {type(tree).__name__} of {len(children)}"
+    name = type(tree).__name__
+    article = "an" if name[:1].lower() in "aeiou" else "a"
+    return f"{article} {name} of {len(children)}"
 
 
 def first_difference(a: Any, b: Any, root: str = "value") -> tuple[str, str, str] | None:
@@ -171,8 +173,15 @@ def first_difference(a: Any, b: Any, root: str = "value") -> tuple[str, str, str
                 has_x = _node_description(x_map[key]) if key in x_map else "nothing"
                 has_y = _node_description(y_map[key]) if key in y_map else "nothing"
                 return (where, has_x, has_y)
+            if len(x_children) == len(y_children):  # same keys, another order
+                return (here[0], f"{here[1]} with keys in the order {list(x_entries)}",
+                        f"{here[2]} with keys in the order {list(y_entries)}")
             return here
         if x_meta != y_meta:
+            if isinstance(x_meta, tuple | list) and sorted(map(repr, x_meta)) == sorted(
+                    map(repr, y_meta)):
+                return (here[0], f"{here[1]} with keys in the order {list(x_meta)}",
+                        f"{here[2]} with keys in the order {list(y_meta)}")
             return here
         for entry, cx, cy in zip(x_entries, x_children, y_children, strict=True):
             found = walk(cx, cy, (*path, entry))

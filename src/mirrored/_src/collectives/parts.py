@@ -4,6 +4,7 @@ communicators and default options), handed over explicitly by the strategy."""
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 from ..comm.selection import CommunicatorSelector
@@ -18,13 +19,19 @@ __all__ = ["Parts"]
 class Parts:
     """The parts of one strategy.
 
-    ``strategy`` is only handed to ``merge_fn``s; ``name`` is the strategy's class
-    name, for messages.
+    ``strategy_ref`` (a weak reference, so that a dropped strategy is collected at
+    once, with its threads) is only handed to ``merge_fn``s; ``name`` is the
+    strategy's class name, for messages.
     """
 
-    strategy: Any
+    strategy_ref: weakref.ReferenceType[Any]
     name: str
     topology: Topology
     runtime: Runtime
     communicators: CommunicatorSelector
     options: CommunicationOptions
+
+    @property
+    def strategy(self) -> Any:
+        """The strategy (alive while anything can reach these parts through it)."""
+        return self.strategy_ref()

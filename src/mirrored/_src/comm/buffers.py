@@ -8,21 +8,30 @@ reuses one only when nothing outside the pool still references it: no Python
 reference to the tensor, none to its storage, no other C++ owner of the tensor
 (autograd's saved tensors, DLPack) and no view of its storage (numpy arrays,
 slices). Any such owner keeps the buffer out of reuse, so a result is never
-overwritten while visible. Small tensors and non-CPU devices are left to torch's
-allocators.
+overwritten while visible: no weak reference either (a result held only through a
+``weakref`` stays untouched). Buffers made under ``torch.inference_mode()`` are
+inference tensors and are only ever reused under it, and the others only outside
+it. The pool holds at most `MAX_BYTES` (256 MiB) of idle buffers, least recently
+used first out, and ``strategy.close()`` (or dropping the last strategy) empties it.
+Small tensors and non-CPU devices are left to torch's allocators.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import sys
 import threading
+import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
-__all__ = ["BufferPool", "default_pool"]
+__all__ = ["MAX_BYTES", "BufferPool", "default_pool"]
 
 _MIN_BYTES = 1 << 20
+MAX_BYTES = 256 << 20
 
 
 def _storage_owners(tensor: torch.Tensor) -> tuple[int, int]:
@@ -41,6 +50,19 @@ def _baseline() -> tuple[int, int] | None:
 _BASELINE = _baseline()
 
 
+def _find_malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
+    if name is None:
+        return None
+    try:
+        return getattr(ctypes.CDLL(name), "malloc_trim", None)
+    except OSError:
+        return None
+
+
+_malloc_trim = _find_malloc_trim()
+
+
 def _only_the_pool_holds(tensor: torch.Tensor) -> bool:
     # The caller has checked the Python references to the tensor; here its C++ owners
     # (autograd's saved tensors, DLPack) and the owners of its storage (views, numpy
@@ -49,21 +71,39 @@ def _only_the_pool_holds(tensor: torch.Tensor) -> bool:
     return impl_owners == 1 and _storage_owners(tensor) == _BASELINE
 
 
+_Key = tuple[tuple[int, ...], torch.dtype, bool]
+
+
 class BufferPool:
     """Hands out host tensors for results, reusing large ones that nobody holds.
 
     Args:
-        max_per_key: buffers kept per (shape, dtype).
-        max_keys: (shape, dtype) keys kept; the least recently used is dropped.
+        max_per_key: buffers kept per (shape, dtype, inference mode).
+        max_bytes: the most bytes the pool keeps; the least recently used go first.
     """
 
-    def __init__(self, max_per_key: int = 4, max_keys: int = 16) -> None:
-        self._entries: OrderedDict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = (
-            OrderedDict())
+    def __init__(self, max_per_key: int = 4, max_bytes: int = MAX_BYTES) -> None:
+        self._entries: OrderedDict[_Key, list[torch.Tensor]] = OrderedDict()
         self._max_per_key = max_per_key
-        self._max_keys = max_keys
+        self._max_bytes = max_bytes
+        self._bytes = 0
         self._lock = threading.Lock()
         self._enabled = _BASELINE is not None
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the buffers the pool keeps."""
+        return self._bytes
+
+    def clear(self) -> None:
+        """Forgets every buffer (those still in use stay with their users) and hands
+        freed memory back to the operating system: replica threads allocate from
+        glibc arenas of their own, which otherwise keep what they freed."""
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+        if _malloc_trim is not None:
+            _malloc_trim(0)
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype,
               device: torch.device) -> torch.Tensor:
@@ -71,26 +111,42 @@ class BufferPool:
         numel = 1
         for d in shape:
             numel *= d
-        if (not self._enabled or device.type != "cpu"
-                or numel * dtype.itemsize < _MIN_BYTES):
+        nbytes = numel * dtype.itemsize
+        if (not self._enabled or device.type != "cpu" or nbytes < _MIN_BYTES
+                or nbytes > self._max_bytes):
             return torch.empty(shape, dtype=dtype, device=device)
-        key = (shape, dtype)
+        key = (shape, dtype, torch.is_inference_mode_enabled())
         with self._lock:
             entries = self._entries.get(key)
             if entries is None:
                 entries = self._entries[key] = []
-                while len(self._entries) > self._max_keys:
-                    self._entries.popitem(last=False)
             else:
                 self._entries.move_to_end(key)
             for tensor in entries:
                 # Three references are ours: the list entry, `tensor`, getrefcount's argument.
-                if sys.getrefcount(tensor) <= 3 and _only_the_pool_holds(tensor):
+                if (sys.getrefcount(tensor) <= 3 and weakref.getweakrefcount(tensor) == 0
+                        and _only_the_pool_holds(tensor)):
                     return tensor
             fresh = torch.empty(shape, dtype=dtype, device=device)
             if len(entries) < self._max_per_key:
                 entries.append(fresh)
+                self._bytes += nbytes
+                self._evict(keep=key)
             return fresh
+
+    def _evict(self, keep: _Key) -> None:
+        # Caller holds the lock: drop least recently used keys until under the cap.
+        while self._bytes > self._max_bytes:
+            key = next(iter(self._entries))
+            if key == keep and len(self._entries) == 1:
+                dropped = self._entries[key].pop(0)
+                self._bytes -= dropped.numel() * dropped.element_size()
+                continue
+            if key == keep:
+                self._entries.move_to_end(key)
+                continue
+            for tensor in self._entries.pop(key):
+                self._bytes -= tensor.numel() * tensor.element_size()
 
 
 _default_pool = BufferPool()

@@ -21,6 +21,7 @@ from typing import Any, Protocol, TypeVar, final
 
 import torch
 
+from ..comm.buffers import default_pool
 from ..devices import current_device
 from ..errors import ReplicaAbortedError
 from ..topology import Topology
@@ -210,6 +211,7 @@ class ThreadRuntime:
                 "run is in progress (e.g. a thread started inside the step function); close "
                 "the strategy after run returns")
         self._executor.close()
+        default_pool().clear()
 
     def _note(self, index: int) -> str:
         return f"raised in {self._topology.labels[index]} of {self._name}.run"

@@ -59,7 +59,8 @@ class Strategy:
     def __init__(self, *, topology: Topology, runtime: Runtime,
                  communicators: CommunicatorSelector, options: CommunicationOptions,
                  raw_single_values: bool = False) -> None:
-        self._parts = Parts(strategy=self, name=type(self).__name__, topology=topology,
+        self._parts = Parts(strategy_ref=weakref.ref(self), name=type(self).__name__,
+                            topology=topology,
                             runtime=runtime, communicators=communicators, options=options)
         self._contexts = tuple(ReplicaContext(self._parts, i)
                                for i in range(topology.num_local_replicas))

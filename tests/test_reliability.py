@@ -1,0 +1,419 @@
+"""The runtime never hangs or leaks: stuck replicas, interrupts (real SIGINTs),
+dropped strategies, the result pool, values that require grad, half-precision and
+int64 means, thread settings, misuse from foreign threads, fork, random streams,
+and the messages for odd inputs. Everything through the public API."""
+
+import collections
+import gc
+import os
+import random
+import signal
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+
+import mirrored
+from mirrored.experimental import CommunicationOptions
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def rid():
+    return mirrored.get_replica_context().replica_id_in_sync_group
+
+
+def exact_sum_step():
+    ctx = mirrored.get_replica_context()
+    return ctx.all_reduce("SUM", torch.tensor(float(ctx.replica_id_in_sync_group + 1)))
+
+
+def assert_exact(strategy, n=2):
+    out = strategy.experimental_local_results(strategy.run(exact_sum_step))
+    assert [t.item() for t in out] == [n * (n + 1) / 2] * n
+
+
+def rss_mib():
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+# 1. A stuck replica ---------------------------------------------------------------
+@pytest.mark.parametrize("stuck", [0, 1])
+def test_a_stuck_replica_does_not_hang_run(stuck):
+    release = threading.Event()
+    strategy = mirrored.MirroredStrategy(
+        ["CPU:0", "CPU:1"], communication_options=CommunicationOptions(timeout_seconds=0.5))
+
+    def step():
+        if rid() == stuck:
+            release.wait(30)  # stuck in "I/O"
+            return None
+        return exact_sum_step()
+
+    start = time.monotonic()
+    with pytest.raises(mirrored.CollectiveTimeoutError, match=r"timed out after 0.5 s"):
+        strategy.run(step)
+    assert time.monotonic() - start < 0.5 + 1.0
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"replica {stuck} \(CPU:{stuck}\) of "
+                                           r"MirroredStrategy is still running"):
+        strategy.run(exact_sum_step)
+    assert time.monotonic() - start < 0.5 + 0.5
+    release.set()
+    time.sleep(0.1)
+    assert_exact(strategy)  # works again once the straggler is back, and its outcome dropped
+
+
+def test_a_per_call_timeout_frees_run_from_a_stuck_worker_replica(two):
+    release = threading.Event()
+
+    def step():
+        if rid() == 1:
+            release.wait(30)
+            return None
+        return mirrored.get_replica_context().all_reduce(
+            "SUM", torch.ones(1), options=CommunicationOptions(timeout_seconds=0.3))
+
+    start = time.monotonic()
+    with pytest.raises(mirrored.CollectiveTimeoutError):
+        two.run(step)
+    assert time.monotonic() - start < 0.3 + 1.0
+    release.set()
+    time.sleep(0.1)
+    assert_exact(two)
+
+
+# 2. Interrupts ----------------------------------------------------------------------
+class Armed:
+    """A SIGINT handler that raises KeyboardInterrupt only while armed."""
+
+    def __init__(self):
+        self.armed = False
+        self.fired_at = None
+
+    def __call__(self, signum, frame):
+        if self.armed:
+            self.armed = False
+            self.fired_at = time.monotonic()
+            raise KeyboardInterrupt
+
+
+@pytest.fixture
+def sigint():
+    handler = Armed()
+    previous = signal.signal(signal.SIGINT, handler)
+    yield handler
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_interrupt_while_the_caller_waits_in_a_collective(two, sigint):
+    import _thread
+
+    def step():
+        if rid() == 0:
+            sigint.armed = True
+            threading.Timer(0.1, _thread.interrupt_main, args=(signal.SIGINT,)).start()
+        else:
+            time.sleep(0.5)
+        return exact_sum_step()
+
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        two.run(step)
+    assert time.monotonic() - start < 1.1
+    time.sleep(0.5)  # replica 1 finishes its sleep: not a straggler any more
+    for _ in range(3):
+        assert_exact(two)
+
+
+@pytest.mark.timeout(120)
+def test_sigint_soak_never_hangs_and_the_next_run_is_exact(sigint):
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2"])
+    rng = random.Random(0)
+    x = torch.randn(64, 64)
+
+    def step():
+        ctx = mirrored.get_replica_context()
+        y = x @ x
+        total = ctx.all_reduce("SUM", y.sum())
+        merged = ctx.merge_call(lambda s, v: s.reduce("SUM", v), args=(total,))
+        return ctx.all_reduce("MAX", merged + ctx.replica_id_in_sync_group)
+
+    expected = strategy.experimental_local_results(strategy.run(step))
+    interrupted = 0
+    pid = os.getpid()
+    for _ in range(300):
+        delay = rng.uniform(0, 0.004)
+        timer = threading.Timer(delay, os.kill, args=(pid, signal.SIGINT))
+        sigint.fired_at = None
+        sigint.armed = True
+        timer.start()
+        try:
+            strategy.run(step)
+            time.sleep(0.005)  # let a late signal land while armed
+        except KeyboardInterrupt:
+            interrupted += 1
+            assert time.monotonic() - sigint.fired_at < 1.0
+        finally:
+            sigint.armed = False
+            timer.join()
+        for attempt in range(20):
+            try:
+                out = strategy.experimental_local_results(strategy.run(step))
+                break
+            except RuntimeError as error:  # a straggler of the interrupted run
+                assert "is still running its function" in str(error)
+                assert attempt < 19
+        assert [torch.equal(a, b) for a, b in zip(out, expected, strict=True)] == [True] * 3
+    assert interrupted > 50
+
+
+# 3. Nothing leaks ------------------------------------------------------------------
+def test_dropped_strategies_are_collected_with_their_threads():
+    gc.collect()
+    threads = threading.active_count()
+    refs = []
+
+    def use():
+        strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2"])
+        big = mirrored.PerReplica([torch.ones(1 << 20)] * 3)
+        strategy.run(lambda v: mirrored.get_replica_context().all_reduce("SUM", v),
+                     args=(big,))
+        refs.append(weakref.ref(strategy))
+
+    for _ in range(20):
+        use()
+    assert all(ref() is None for ref in refs)  # no gc.collect needed: no cycles
+    assert threading.active_count() == threads
+
+
+def test_results_are_freed_when_the_user_drops_them(two):
+    out = two.run(lambda: torch.ones(1 << 20) * rid())
+    refs = [weakref.ref(t) for t in out.values]
+    del out
+    assert all(ref() is None for ref in refs)
+
+
+@pytest.mark.timeout(120)
+def test_memory_returns_near_baseline():
+    gc.collect()
+    torch.ones(1)
+    base = rss_mib()
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    for _ in range(16):  # dropped gathers of ~64 MiB
+        gathered = strategy.gather(mirrored.PerReplica(
+            [torch.ones(8_000_000), torch.ones(8_400_000)]), axis=0)
+        del gathered
+    assert rss_mib() - base < 256 + 64 + 64  # the pool's cap (256 MiB) at most
+    del strategy
+    gc.collect()
+    assert rss_mib() - base < 64
+    for _ in range(20):
+        strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+        big = mirrored.PerReplica([torch.ones(4_000_000)] * 2)
+        out = strategy.run(lambda v: mirrored.get_replica_context().all_reduce("SUM", v),
+                           args=(big,))
+        del strategy, out, big
+    gc.collect()
+    assert rss_mib() - base < 128
+
+
+# 4. The result pool ------------------------------------------------------------------
+def test_pool_never_crosses_inference_mode(two):
+    v = mirrored.PerReplica([torch.ones(1 << 19), torch.ones(1 << 19)])  # 2 MiB results
+    with torch.inference_mode():
+        inside = two.reduce("SUM", v)
+    del inside
+    for _ in range(3):
+        out = two.reduce("SUM", v)
+        out.add_(1)  # a normal tensor: in-place works
+        assert out[0].item() == 3.0
+        del out
+
+
+def test_a_result_held_through_a_weakref_is_not_reused(two):
+    v = mirrored.PerReplica([torch.ones(1 << 19), torch.ones(1 << 19)])
+    first = two.reduce("SUM", v)
+    held = weakref.ref(first)
+    kept_storage = first.untyped_storage().data_ptr()
+    del first
+    second = two.reduce("SUM", v * 3 if False else mirrored.PerReplica(
+        [torch.full((1 << 19,), 5.0), torch.full((1 << 19,), 5.0)]))
+    if held() is not None:
+        assert held()[0].item() == 2.0
+        assert second.untyped_storage().data_ptr() != kept_storage
+
+
+# 5. Values that require grad --------------------------------------------------------
+def test_reduce_of_values_that_require_grad(two):
+    w = torch.tensor([1.0, 2.0], requires_grad=True)
+
+    def step():
+        return (w * (rid() + 1)).sum()  # a loss, as TF users return it from run
+
+    losses = two.run(step)
+    assert two.reduce("SUM", losses).item() == 9.0
+    assert two.reduce("MEAN", losses, axis=()).item() == 4.5
+    assert two.gather(two.run(lambda: w * (rid() + 1)), axis=0).tolist() == [1, 2, 2, 4]
+    assert two.reduce("MEAN", two.run(lambda: w * (rid() + 1)), axis=0).item() == 2.25
+    assert two.extended.reduce_to("SUM", losses, "CPU:0").item() == 9.0
+    assert not two.reduce("SUM", losses).requires_grad  # detached, as documented
+
+
+# 6. Means of half precision and int64 -------------------------------------------------
+def test_half_and_int64_means_equal_single_device_torch(two):
+    for dtype in (torch.float16, torch.bfloat16):
+        v = mirrored.PerReplica([torch.tensor(60000.0, dtype=dtype)] * 2)
+        ref = torch.tensor([60000.0, 60000.0], dtype=dtype).mean()
+        assert torch.equal(two.reduce("MEAN", v), ref)
+        big = mirrored.PerReplica([torch.full((4000,), 30.0, dtype=dtype)] * 2)
+        ref = torch.full((8000,), 30.0, dtype=dtype).mean()
+        assert torch.equal(two.reduce("MEAN", big, axis=0), ref)
+        assert torch.equal(two.extended.reduce_to("MEAN", v, "CPU:0"), torch.tensor(
+            60000.0, dtype=dtype))
+        out = two.run(lambda: mirrored.get_replica_context().all_reduce(
+            "MEAN", torch.full((4000,), 30.0, dtype=torch.float16), axis=0))
+        assert [t.item() for t in out.values] == [30.0, 30.0]
+        assert out.values[0].dtype == torch.float16
+    v = mirrored.PerReplica([torch.tensor(2**62), torch.tensor(2**62)])
+    mean = two.reduce("MEAN", v)
+    assert mean.dtype == torch.float64 and mean.item() == 2.0**62
+    assert torch.tensor([2**62, 2**62]).to(torch.float64).mean().item() == mean.item()
+
+
+# 7. Thread settings and misuse ------------------------------------------------------
+def test_thread_count_and_saved_tensor_hooks_reach_every_replica(two):
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        counts = two.experimental_local_results(two.run(torch.get_num_threads))
+        assert counts == (1, 1)
+    finally:
+        torch.set_num_threads(previous)
+    packed = []
+
+    def pack(t):
+        packed.append(threading.get_ident())
+        return t
+
+    x = torch.ones(2, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        two.run(lambda: (x * x).sum())
+    assert len(packed) >= 2  # the hook ran in both replicas, whichever thread
+
+
+def test_torch_function_modes_are_refused_not_half_applied(two):
+    class Counting(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Counting(), pytest.raises(RuntimeError, match=r"cannot carry Counting into its replica"):
+        two.run(lambda: torch.ones(1) + 1)
+    assert_exact(two)
+
+
+def test_run_close_and_collectives_from_a_thread_started_inside_fn(two):
+    errors = {}
+
+    def in_thread(name, action):
+        def target():
+            try:
+                action()
+            except Exception as error:  # recorded for the test
+                errors[name] = error
+        thread = threading.Thread(target=target)
+        thread.start()
+        thread.join(10)
+        assert not thread.is_alive()
+
+    def step():
+        if rid() == 0:
+            in_thread("run", lambda: two.run(lambda: 1))
+            in_thread("close", two.close)
+            in_thread("all_reduce", lambda: mirrored.get_replica_context().all_reduce(
+                "SUM", torch.ones(1)))
+        return None
+
+    start = time.monotonic()
+    two.run(step)
+    assert time.monotonic() - start < 2 + 2
+    assert "deadlock" in str(errors["run"])
+    assert "close was called from a thread that is not a replica" in str(errors["close"])
+    assert "would return the value unreduced" in str(errors["all_reduce"])
+    assert_exact(two)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_collectives_work_in_a_forked_child(two):
+    assert_exact(two)  # threads exist in the parent before the fork
+    pid = os.fork()
+    if pid == 0:  # the child
+        code = 1
+        try:
+            out = two.experimental_local_results(two.run(exact_sum_step))
+            code = 0 if [t.item() for t in out] == [3.0, 3.0] else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail("a collective in the forked child hung")
+
+
+# 8. Random numbers -------------------------------------------------------------------
+def test_per_replica_random_streams_are_reproducible():
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2"])
+
+    def step():
+        time.sleep(random.random() * 0.003)  # thread timing must not matter
+        return torch.nn.functional.dropout(torch.ones(64), 0.5), torch.rand(4)
+
+    runs = []
+    for _ in range(5):
+        torch.manual_seed(0)
+        runs.append(strategy.experimental_local_results(strategy.run(step)))
+    for other in runs[1:]:
+        for (m1, r1), (m2, r2) in zip(runs[0], other, strict=True):
+            assert torch.equal(m1, m2) and torch.equal(r1, r2)
+    masks = [m for m, _ in runs[0]]
+    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
+    torch.manual_seed(0)
+    first = strategy.experimental_local_results(strategy.run(step))
+    second = strategy.experimental_local_results(strategy.run(step))
+    assert not torch.equal(first[0][0], second[0][0])  # successive runs differ
+    g = torch.Generator().manual_seed(3)
+    explicit = strategy.run(lambda: torch.rand(3, generator=g))
+    assert explicit.values[0].shape == (3,)
+
+
+# 9. Messages --------------------------------------------------------------------------
+def test_messages_for_odd_inputs(two):
+    v = mirrored.PerReplica([torch.ones(2, dtype=torch.uint16)] * 2)
+    with pytest.raises(TypeError, match=r"reduce\(SUM, axis=None\) does not support dtype "
+                                        r"uint16 \(at value\)"):
+        two.reduce("SUM", v)
+    with pytest.raises(TypeError, match=r"does not support dtype uint16"):
+        two.run(lambda: mirrored.get_replica_context().all_reduce(
+            "SUM", torch.ones(1, dtype=torch.uint16)))
+
+    def ordered():
+        items = [("a", 1), ("b", 2)]
+        return collections.OrderedDict(items if rid() == 0 else items[::-1])
+
+    with pytest.raises(ValueError, match=r"keys in the order \['a', 'b'\] but replica 1 "
+                                         r"returned an OrderedDict of 2 with keys in the order "
+                                         r"\['b', 'a'\]"):
+        two.run(ordered)
+    kept = two.run(mirrored.get_replica_context).values[0]
+    with pytest.raises(RuntimeError, match=r"called from outside strategy.run \(a replica "
+                                           r"context kept after its run returned"):
+        kept.all_reduce("SUM", torch.ones(1))

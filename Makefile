@@ -1,4 +1,4 @@
-# `make demo` runs the example, `make test` runs lint, type check and tests.
+# `make demo` trains the digits example, `make quickstart` runs the quick start, `make test` runs lint, type check and tests.
 # Each creates .venv on first use and installs what it needs: the CPU build of
 # torch is pinned through constraints.txt.
 
@@ -7,14 +7,17 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench clean
+.PHONY: demo quickstart test lint typecheck unit bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,examples]'
 	touch $(STAMP)
 
 demo: $(STAMP)
+	$(PY) examples/train_digits.py
+
+quickstart: $(STAMP)
 	$(PY) examples/quickstart.py
 
 test: lint typecheck unit
@@ -31,6 +34,7 @@ unit: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_core.py
 	$(PY) benchmarks/bench_collectives.py
+	$(PY) benchmarks/bench_training.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -22,7 +22,8 @@ def test_quickstart_prints_the_seed_results():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("script", ["bench_core.py", "bench_collectives.py"])
+@pytest.mark.parametrize("script", ["bench_core.py", "bench_collectives.py",
+                                    "bench_training.py"])
 def test_benchmarks_run_in_quick_mode(script):
     # Only that they run and print their verdicts: timings are never asserted.
     path = pathlib.Path(__file__).parents[1] / "benchmarks" / script

@@ -1,0 +1,260 @@
+"""Training-step benchmarks: an MLP 64-256-256-10 (digits-sized inputs, random data),
+SGD, in examples per second, as ratios against baselines measured in the same run.
+
+    python benchmarks/bench_training.py            # full run
+    python benchmarks/bench_training.py --quick    # fewer steps, for a smoke run
+
+(a) 1 replica (``strategy.run`` + ``mirror`` + ``mirror_optimizer`` +
+    ``compute_average_loss``) against the same loop in plain PyTorch, global batch
+    64 and 256. Target: overhead <= 5 %.
+(b) 2 replicas in this process against ``DistributedDataParallel`` on Gloo with 2
+    processes on 127.0.0.1 (1 intra-op thread each), same model and global batch
+    (64 and 256). Target: >= DDP's examples/s at both sizes (aim: 1.5x). Also
+    measured: the same 2 replicas with every replica thread limited to 1 intra-op
+    thread (``torch.set_num_threads(1)`` run once in each replica thread), a
+    prototype of a library-side change.
+(c) 4 replicas: examples/s, and where a step's time goes, from timers around the
+    phases: compute (forward + backward, per replica), all-reduce (the mirrored
+    ``step()`` minus the local optimizer step), optimizer step, and hand-off (the
+    rest of ``run``: waking replica threads, waiting for the slowest, regrouping), and
+    the count all-reduce of ``compute_average_loss``.
+
+Timings are medians over repeats; variants are interleaved so machine noise hits
+them alike. The machine is shared and noisy: read ratios, not single figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import mirrored
+from mirrored.testing import run_multi_process
+
+IN, HIDDEN, CLASSES = 64, 256, 10
+LR = 0.01
+
+
+def make_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
+                         nn.Linear(HIDDEN, CLASSES))
+
+
+def make_batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(size)
+    return torch.randn(size, IN, generator=g), torch.randint(0, CLASSES, (size,), generator=g)
+
+
+def sgd(params: object) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR, foreach=True)  # type: ignore[arg-type]
+
+
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int,
+                inner: int) -> dict[str, float]:
+    """Median seconds per call of each fn; one sample of each in turn, ``repeats`` times."""
+    for fn in fns.values():
+        for _ in range(max(3, inner // 5)):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            samples[name].append((time.perf_counter() - start) / inner)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def verdict(ok: bool) -> str:
+    return "meets target" if ok else "MISSES target"
+
+
+# -----------------------------------------------------------------------------
+# the loops
+
+def plain_step(batch: int) -> Callable[[], object]:
+    model, (x, y) = make_mlp(), make_batch(batch)
+    opt = sgd(model.parameters())
+
+    def step() -> None:
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+class Mirrored:
+    """A mirrored training step on ``n`` logical CPU replicas, with optional phase timers."""
+
+    def __init__(self, n: int, batch: int, *, one_thread: bool = False,
+                 timed: bool = False) -> None:
+        self.strategy = mirrored.MirroredStrategy([f"CPU:{i}" for i in range(n)])
+        self.model = self.strategy.mirror(make_mlp())
+        self.opt = self.strategy.mirror_optimizer(self.model, sgd)
+        (self.xy,) = list(self.strategy.experimental_distribute_dataset(
+            [make_batch(batch)], mirrored.InputOptions(experimental_prefetch_depth=0)))
+        self.one_thread = one_thread
+        self.limited: set[int] = set()
+        self.timed = timed
+        self.phases: list[list[float]] = [[0.0, 0.0, 0.0] for _ in range(n)]
+        self.local_step = [0.0] * n
+        if timed:
+            for r, opt in enumerate(self.opt.optimizers):
+                opt.step = self._timed_local(r, opt.step)  # type: ignore[method-assign]
+
+    def _timed_local(self, r: int, step: Callable[[], object]) -> Callable[[], object]:
+        def timed_step(*args: object, **kwargs: object) -> object:
+            start = time.perf_counter()
+            out = step(*args, **kwargs)
+            self.local_step[r] += time.perf_counter() - start
+            return out
+        return timed_step
+
+    def _fn(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        if self.one_thread:
+            ident = mirrored.get_replica_context().replica_id_in_sync_group
+            if ident not in self.limited:  # prototype: 1 intra-op thread per replica thread
+                torch.set_num_threads(1)
+                self.limited.add(ident)
+        t0 = time.perf_counter()
+        per_example = F.cross_entropy(self.model(x), y, reduction="none")
+        ta = time.perf_counter()
+        loss = mirrored.compute_average_loss(per_example)  # one all-reduce of the count
+        tb = time.perf_counter()
+        self.opt.zero_grad()
+        loss.backward()
+        t1 = time.perf_counter()
+        self.opt.step()
+        if self.timed:
+            r = mirrored.get_replica_context().replica_id_in_sync_group
+            t2 = time.perf_counter()
+            self.phases[r][0] += (ta - t0) + (t1 - tb)
+            self.phases[r][1] += t2 - t1
+            self.phases[r][2] += tb - ta
+
+    def __call__(self) -> None:
+        self.strategy.run(self._fn, args=self.xy)
+
+
+def ddp_worker(batches: list[int], repeats: int, inner: int) -> list[float]:
+    """One DDP rank (spawned by run_multi_process): median seconds per step per batch."""
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = nn.parallel.DistributedDataParallel(make_mlp())
+    opt = sgd(model.parameters())
+    out = []
+    for batch in batches:
+        x, y = make_batch(batch)
+        per = batch // world
+        x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+
+        def step(x: torch.Tensor = x, y: torch.Tensor = y) -> None:
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+        for _ in range(max(3, inner // 5)):
+            step()
+        samples = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(inner):
+                step()
+            samples.append((time.perf_counter() - start) / inner)
+        out.append(statistics.median(samples))
+    dist.destroy_process_group()
+    return out
+
+
+# -----------------------------------------------------------------------------
+# the measurements
+
+def bench_one_replica(batches: list[int], repeats: int, inner: int) -> None:
+    print("(a) 1 replica vs the same loop in plain PyTorch, examples/s")
+    for batch in batches:
+        one = Mirrored(1, batch)
+        t = interleaved({"plain": plain_step(batch), "mirrored": one}, repeats, inner)
+        one.strategy.close()
+        overhead = t["mirrored"] / t["plain"] - 1
+        print(f"  batch {batch:>3}: plain {batch / t['plain']:>8.0f}, 1 replica "
+              f"{batch / t['mirrored']:>8.0f} examples/s: overhead {overhead:+.1%} "
+              f"(target <= 5 %: {verdict(overhead <= 0.05)})")
+
+
+def bench_two_replicas(batches: list[int], repeats: int, inner: int) -> None:
+    print("(b) 2 replicas in one process vs DDP (Gloo, 2 processes, 1 thread each), "
+          "examples/s")
+    ddp = run_multi_process(ddp_worker, 2, args=(batches, repeats, inner), timeout=300)
+    ddp_s = [max(rank[k] for rank in ddp) for k in range(len(batches))]
+    for batch, ddp_step in zip(batches, ddp_s, strict=True):
+        two, two_1t = Mirrored(2, batch), Mirrored(2, batch, one_thread=True)
+        t = interleaved({"plain": plain_step(batch), "two": two, "two_1t": two_1t},
+                        repeats, inner)
+        two.strategy.close()
+        two_1t.strategy.close()
+        ratio = ddp_step / t["two"]
+        print(f"  batch {batch:>3}: DDP {batch / ddp_step:>8.0f}, 2 replicas "
+              f"{batch / t['two']:>8.0f} ({ratio:.2f}x DDP; target >= 1x, aim 1.5x: "
+              f"{verdict(ratio >= 1)}), plain loop {batch / t['plain']:>8.0f} examples/s")
+        print(f"             prototype, 1 intra-op thread per replica thread: "
+              f"{batch / t['two_1t']:>8.0f} examples/s ({ddp_step / t['two_1t']:.2f}x DDP)")
+
+
+def bench_four_replicas(batches: list[int], repeats: int, inner: int) -> None:
+    print("(c) 4 replicas: examples/s and where a step's time goes (per step, mean over "
+          "replicas)")
+    for batch in batches:
+        four = Mirrored(4, batch, timed=True)
+        for _ in range(max(3, inner // 5)):
+            four()
+        four.phases = [[0.0, 0.0, 0.0] for _ in range(4)]
+        four.local_step = [0.0] * 4
+        steps = repeats * inner
+        start = time.perf_counter()
+        for _ in range(steps):
+            four()
+        total = (time.perf_counter() - start) / steps
+        four.strategy.close()
+        compute = statistics.mean(p[0] for p in four.phases) / steps
+        mirrored_step = statistics.mean(p[1] for p in four.phases) / steps
+        loss_count = statistics.mean(p[2] for p in four.phases) / steps
+        local = statistics.mean(four.local_step) / steps
+        slowest = max(p[0] + p[1] + p[2] for p in four.phases) / steps
+        us = 1e6
+        print(f"  batch {batch:>3}: {batch / total:>8.0f} examples/s, {total * us:.0f} us/step "
+              f"(no target; for reference)")
+        print(f"    compute (forward+backward):  {compute * us:>6.0f} us")
+        print(f"    all-reduce (step - local):    {(mirrored_step - local) * us:>6.0f} us")
+        print(f"    compute_average_loss (count): {loss_count * us:>6.0f} us")
+        print(f"    optimizer step (local):       {local * us:>6.0f} us")
+        print(f"    hand-off (run - slowest fn):  {(total - slowest) * us:>6.0f} us")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="few steps, for a smoke run")
+    quick = parser.parse_args().quick
+    repeats, inner = (3, 10) if quick else (9, 60)
+    batches = [64, 256]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
+          f"{os.cpu_count()} CPUs")
+    bench_one_replica(batches, repeats, inner)
+    bench_two_replicas(batches, repeats, inner)
+    bench_four_replicas(batches, repeats, inner)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""Train a small CNN with BatchNorm on scikit-learn's digits, data-parallel over N replicas.
+
+    python examples/train_digits.py                      # 4 logical CPU replicas, 10 epochs
+    python examples/train_digits.py --replicas 1         # the same training on one replica
+    python examples/train_digits.py --checkpoint-dir ckpt  # save every epoch, resume
+
+`MirroredStrategy` runs one copy of the model per replica ("CPU:0" ... are logical CPU
+devices, so this runs on any machine). Each step splits one global batch over the
+replicas, every replica computes its loss with `compute_average_loss` (divided by the
+global batch size), the optimizer all-reduces the gradients, and BatchNorm normalizes
+with the statistics of the global batch (`sync_batch_norm=True`): N replicas train
+the same model as one. The training set (1437 images) is not a multiple of the batch
+size, so every epoch ends with a partial batch, which is split unevenly.
+
+stdout: one line per epoch (`epoch 3/10 loss 0.1234 accuracy 0.9600`), then
+`test accuracy: 0.9xxx`. The progress bar (tqdm) goes to stderr.
+"""
+
+import argparse
+import os
+import pathlib
+import sys
+import tempfile
+
+import torch
+import torch.nn.functional as F
+from sklearn.datasets import load_digits
+from torch import nn
+from tqdm import tqdm
+
+import mirrored
+
+# -----------------------------------------------------------------------------
+# configuration
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--replicas", type=int, default=4, help="logical CPU replicas")
+parser.add_argument("--epochs", type=int, default=10)
+parser.add_argument("--batch-size", type=int, default=100, help="global batch size")
+parser.add_argument("--lr", type=float, default=0.05)
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--checkpoint-dir", type=pathlib.Path, default=None,
+                    help="save a checkpoint after every epoch; resume from it if present")
+parser.add_argument("--save-final", type=pathlib.Path, default=None,
+                    help="write the final model state dict here")
+args = parser.parse_args()
+if args.replicas < 1 or args.epochs < 0 or args.batch_size < 1:
+    parser.error("--replicas and --batch-size must be >= 1, --epochs >= 0")
+
+
+def save_atomically(obj, path):
+    """torch.save to a temp file in the same directory, then rename over ``path``: a
+    crash mid-save leaves the previous file intact, never a truncated one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+# -----------------------------------------------------------------------------
+# data: 1797 8x8 grey images bundled with scikit-learn (no download)
+
+digits = load_digits()
+images = torch.tensor(digits.images / 16.0, dtype=torch.float32).unsqueeze(1)  # [N, 1, 8, 8]
+labels = torch.tensor(digits.target, dtype=torch.int64)
+# A fixed split (independent of --seed): 1437 train, 360 test.
+split = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
+train_idx, test_idx = split[:1437], split[1437:]
+x_train, y_train = images[train_idx], labels[train_idx]
+x_test, y_test = images[test_idx], labels[test_idx]
+
+
+def global_batches(x, y, batch_size, shuffle_seed=None):
+    """The global batches of one epoch (the last one partial), in a seeded order."""
+    order = torch.arange(len(y))
+    if shuffle_seed is not None:
+        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(shuffle_seed))
+    return [(x[order[i:i + batch_size]], y[order[i:i + batch_size]])
+            for i in range(0, len(y), batch_size)]
+
+
+# -----------------------------------------------------------------------------
+# model, strategy, optimizer
+
+# Smooth activations (SiLU) and average pooling: with ReLU or MaxPool, float32 rounding
+# differences (N replicas sum in another order than one) can flip an activation across
+# the kink or a max-pool argmax, a discrete change in the gradient that momentum then
+# carries: N-replica and 1-replica runs drift apart by ~1e-3 instead of ~1e-7 (in
+# float64 they agree to 1e-14 either way).
+torch.manual_seed(args.seed)
+net = nn.Sequential(
+    nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.SiLU(),
+    nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.SiLU(),
+    nn.AvgPool2d(2),                                            # [B, 32, 4, 4]
+    nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.SiLU(), nn.Linear(64, 10),
+)
+
+strategy = mirrored.MirroredStrategy([f"CPU:{i}" for i in range(args.replicas)])
+model = strategy.mirror(net, sync_batch_norm=True)  # one copy per replica, global-batch BN
+optimizer = strategy.mirror_optimizer(
+    model, lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9, foreach=True))
+print(f"{args.replicas} replica{'s' if args.replicas > 1 else ''}, global batch {args.batch_size}, "
+      f"{len(y_train)} training examples ({len(y_train) % args.batch_size} in the last batch), "
+      f"{len(y_test)} test examples")
+
+# -----------------------------------------------------------------------------
+# resume from the latest checkpoint, if any
+
+start_epoch = 0
+checkpoint_path = args.checkpoint_dir / "checkpoint.pt" if args.checkpoint_dir else None
+if checkpoint_path is not None and checkpoint_path.exists():
+    checkpoint = torch.load(checkpoint_path, weights_only=True)
+    model.load_state_dict(checkpoint["model"])  # into every replica's copy
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    start_epoch = checkpoint["epoch"]
+    print(f"resumed from epoch {start_epoch} ({checkpoint_path})")
+
+
+# -----------------------------------------------------------------------------
+# the step functions: each runs on every replica, on its chunk of the global batch
+
+def train_step(x, y):
+    logits = model(x)
+    per_example_loss = F.cross_entropy(logits, y, reduction="none")
+    loss = mirrored.compute_average_loss(per_example_loss)  # / global batch size
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()  # all-reduces the gradients, then steps this replica's copy
+    correct = (logits.argmax(1) == y).float()
+    return per_example_loss.detach(), correct
+
+
+@torch.no_grad()
+def eval_step(x, y):
+    return (model(x).argmax(1) == y).float()
+
+
+def epoch_mean(chunks):
+    """Exact mean over an epoch of per-example values: each replica's chunks are
+    concatenated, then MEAN over axis 0 divides by the true number of examples."""
+    per_replica = mirrored.PerReplica([torch.cat(c) for c in zip(*chunks, strict=True)],
+                                      devices=strategy.extended.worker_devices)
+    return strategy.reduce("MEAN", per_replica, axis=0).item()
+
+
+# -----------------------------------------------------------------------------
+# training loop
+
+for epoch in range(start_epoch, args.epochs):
+    model.train()
+    batches = global_batches(x_train, y_train, args.batch_size,
+                             shuffle_seed=args.seed * 100_003 + epoch)
+    dataset = strategy.experimental_distribute_dataset(batches)  # yields PerReplica (x, y)
+    losses, hits = [], []
+    bar = tqdm(dataset, total=len(batches), desc=f"epoch {epoch + 1}/{args.epochs}",
+               file=sys.stderr, leave=False)
+    for x, y in bar:
+        per_example_loss, correct = strategy.run(train_step, args=(x, y))
+        losses.append(strategy.experimental_local_results(per_example_loss))
+        hits.append(strategy.experimental_local_results(correct))
+        bar.set_postfix(loss=f"{strategy.reduce('MEAN', per_example_loss, axis=0).item():.4f}")
+    bar.close()
+    print(f"epoch {epoch + 1}/{args.epochs} loss {epoch_mean(losses):.4f} "
+          f"accuracy {epoch_mean(hits):.4f}", flush=True)
+    if checkpoint_path is not None:
+        save_atomically({"epoch": epoch + 1, "model": model.state_dict(),
+                         "optimizer": optimizer.state_dict()}, checkpoint_path)
+
+# -----------------------------------------------------------------------------
+# evaluation, also distributed (BatchNorm uses its running statistics)
+
+model.eval()
+test_batches = global_batches(x_test, y_test, args.batch_size)
+test_hits = [strategy.experimental_local_results(strategy.run(eval_step, args=batch))
+             for batch in strategy.experimental_distribute_dataset(test_batches)]
+print(f"test accuracy: {epoch_mean(test_hits):.4f}")
+
+if args.save_final is not None:
+    save_atomically(model.state_dict(), args.save_final)
+strategy.close()

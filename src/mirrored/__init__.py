@@ -32,6 +32,9 @@ from ._src.reduce_op import ReduceOp as ReduceOp
 from ._src.strategies.extended import StrategyExtended as StrategyExtended
 from ._src.strategies.mirrored import MirroredStrategy as MirroredStrategy
 from ._src.strategies.mirrored import OneDeviceStrategy as OneDeviceStrategy
+from ._src.strategies.multi_worker import (
+    MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
+)
 from ._src.strategies.replica_context import ReplicaContext as ReplicaContext
 from ._src.strategies.strategy import Strategy as Strategy
 from ._src.training.module import MirroredModule as MirroredModule
@@ -62,6 +65,7 @@ __all__ = [
     "DistributedValues",
     "MirroredError",
     "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
     "PerReplica",
     "Mirrored",

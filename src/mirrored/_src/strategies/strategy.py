@@ -15,7 +15,7 @@ import torch
 
 from .. import context
 from ..collectives import cross_replica
-from ..collectives.parts import Parts
+from ..collectives.parts import Cluster, Parts
 from ..comm.selection import CommunicatorSelector
 from ..data import DistributedDataset, DistributedDatasetsFromFunction, InputContext, InputOptions
 from ..options import CommunicationOptions
@@ -47,6 +47,7 @@ class Strategy:
         options: default options of every collective.
         raw_single_values: `experimental_distribute_values_from_function` returns the
             raw value, not a `PerReplica` (TF's `OneDeviceStrategy` and default strategy).
+        cluster: the multi-worker parts (resolver, dataset vote, chief sync), if any.
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -58,9 +59,10 @@ class Strategy:
 
     def __init__(self, *, topology: Topology, runtime: Runtime,
                  communicators: CommunicatorSelector, options: CommunicationOptions,
-                 raw_single_values: bool = False) -> None:
+                 raw_single_values: bool = False, cluster: Cluster | None = None) -> None:
         self._parts = Parts(strategy=self, name=type(self).__name__, topology=topology,
-                            runtime=runtime, communicators=communicators, options=options)
+                            runtime=runtime, communicators=communicators, options=options,
+                            cluster=cluster)
         self._contexts = tuple(ReplicaContext(self._parts, i)
                                for i in range(topology.num_local_replicas))
         self._extended = StrategyExtended(self._parts)
@@ -78,9 +80,10 @@ class Strategy:
         return self._extended
 
     @property
-    def cluster_resolver(self) -> None:
-        """``None``: single-process strategies have no cluster."""
-        return None
+    def cluster_resolver(self) -> Any:
+        """The multi-worker strategy's `ClusterResolver`; ``None`` for single-process ones."""
+        cluster = self._parts.cluster
+        return None if cluster is None else cluster.resolver
 
     @property
     def default_replica_context(self) -> ReplicaContext | None:
@@ -249,7 +252,9 @@ class Strategy:
             [PerReplica:{0: tensor([0, 1]), 1: tensor([2])}]
         """
         self._require_cross_replica("experimental_distribute_dataset")
-        return DistributedDataset(dataset, self._parts.topology, options)
+        cluster = self._parts.cluster
+        return DistributedDataset(dataset, self._parts.topology, options,
+                                  any_worker=None if cluster is None else cluster.vote)
 
     def distribute_datasets_from_function(
             self, dataset_fn: Callable[[InputContext], Iterable[Any]],
@@ -266,7 +271,10 @@ class Strategy:
             PerReplica:{0: tensor([1., 1.]), 1: tensor([0.])}
         """
         self._require_cross_replica("distribute_datasets_from_function")
-        return DistributedDatasetsFromFunction(dataset_fn, self._parts.topology, options)
+        cluster = self._parts.cluster
+        return DistributedDatasetsFromFunction(dataset_fn, self._parts.topology, options,
+                                               any_worker=None if cluster is None else
+                                               cluster.vote)
 
     # --------------------------------------------------------- training
     def mirror(self, module: torch.nn.Module, *, sync_batch_norm: bool = False
@@ -282,6 +290,9 @@ class Strategy:
             >>> len(model.replicas)
             2
         """
+        cluster = self._parts.cluster
+        if cluster is not None:  # every worker starts from the chief's values (as DDP)
+            cluster.sync([*module.parameters(), *module.buffers()])
         return mirror(self, module, sync_batch_norm=sync_batch_norm)
 
     def mirror_optimizer(self, module: MirroredModule,

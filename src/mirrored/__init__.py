@@ -37,6 +37,7 @@ from ._src.strategies.multi_worker import (
 )
 from ._src.strategies.replica_context import ReplicaContext as ReplicaContext
 from ._src.strategies.strategy import Strategy as Strategy
+from ._src.training.checkpoint import CheckpointManager as CheckpointManager
 from ._src.training.module import MirroredModule as MirroredModule
 from ._src.training.optimizer import MirroredOptimizer as MirroredOptimizer
 from ._src.values import DistributedValues as DistributedValues
@@ -47,6 +48,7 @@ from ._src.values import ValueContext as ValueContext
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointManager",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "CrossDeviceOps",

@@ -3,6 +3,8 @@
 import mirrored
 
 EXPECTED = {
+    "CheckpointManager",
+    "MultiWorkerMirroredStrategy",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "CrossDeviceOps",

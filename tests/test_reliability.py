@@ -160,15 +160,20 @@ def test_sigint_soak_never_hangs_and_the_next_run_is_exact(sigint):
         finally:
             sigint.armed = False
             timer.join()
-        for attempt in range(20):
-            try:
-                out = strategy.experimental_local_results(strategy.run(step))
-                break
-            except RuntimeError as error:  # a straggler of the interrupted run
-                assert "is still running its function" in str(error)
-                assert attempt < 19
+        out = run_after_stragglers(strategy, step)
         assert [torch.equal(a, b) for a, b in zip(out, expected, strict=True)] == [True] * 3
     assert interrupted > 50
+
+
+def run_after_stragglers(strategy, step):
+    """The next run, once a straggler of an interrupted run (if any) is back."""
+    for _ in range(20):
+        try:
+            return strategy.experimental_local_results(strategy.run(step))
+        except RuntimeError as error:
+            if "is still running its function" not in str(error):
+                raise
+    raise AssertionError("a straggler never came back")
 
 
 # 3. Nothing leaks ------------------------------------------------------------------

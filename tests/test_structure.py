@@ -240,3 +240,9 @@ def test_module_sizes():
     sizes = {p.relative_to(SRC).as_posix(): len(p.read_text().splitlines())
              for p in SRC.rglob("*.py")}
     assert max(sizes.values()) <= 400, sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
+
+
+def test_strategy_class_size():
+    tree = ast.parse((SRC / "strategies" / "strategy.py").read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Strategy"]
+    assert cls.end_lineno - cls.lineno + 1 < 250

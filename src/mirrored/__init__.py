@@ -32,8 +32,12 @@ from ._src.reduce_op import ReduceOp as ReduceOp
 from ._src.strategies.extended import StrategyExtended as StrategyExtended
 from ._src.strategies.mirrored import MirroredStrategy as MirroredStrategy
 from ._src.strategies.mirrored import OneDeviceStrategy as OneDeviceStrategy
+from ._src.strategies.multi_worker import (
+    MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
+)
 from ._src.strategies.replica_context import ReplicaContext as ReplicaContext
 from ._src.strategies.strategy import Strategy as Strategy
+from ._src.training.checkpoint import CheckpointManager as CheckpointManager
 from ._src.training.module import MirroredModule as MirroredModule
 from ._src.training.optimizer import MirroredOptimizer as MirroredOptimizer
 from ._src.values import DistributedValues as DistributedValues
@@ -44,6 +48,7 @@ from ._src.values import ValueContext as ValueContext
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointManager",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "CrossDeviceOps",
@@ -62,6 +67,7 @@ __all__ = [
     "DistributedValues",
     "MirroredError",
     "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
     "PerReplica",
     "Mirrored",

@@ -178,8 +178,8 @@ def first_difference(a: Any, b: Any, root: str = "value") -> tuple[str, str, str
                         f"{here[2]} with keys in the order {list(y_entries)}")
             return here
         if x_meta != y_meta:
-            if isinstance(x_meta, tuple | list) and sorted(map(repr, x_meta)) == sorted(
-                    map(repr, y_meta)):
+            if isinstance(x_meta, tuple | list) and isinstance(y_meta, tuple | list) and sorted(
+                    map(repr, x_meta)) == sorted(map(repr, y_meta)):
                 return (here[0], f"{here[1]} with keys in the order {list(x_meta)}",
                         f"{here[2]} with keys in the order {list(y_meta)}")
             return here

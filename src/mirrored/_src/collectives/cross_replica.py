@@ -76,6 +76,7 @@ def reduce(parts: Parts, reduce_op: ReduceOp | str, value: Any, axis: Any) -> An
     paths, leaves, spec = pytree.flatten_with_path(value)
     out: list[Any] = [None] * len(leaves)
     jobs: list[tuple[int, LeafPlan, list[torch.Tensor], list[int]]] = []
+    worker_values = False
     for k, (path, leaf) in enumerate(zip(paths, leaves, strict=True)):
         where = pytree.format_path(path)
         if isinstance(leaf, DistributedValues):
@@ -85,6 +86,16 @@ def reduce(parts: Parts, reduce_op: ReduceOp | str, value: Any, axis: Any) -> An
         else:
             first = leaf.values[0] if isinstance(leaf, Mirrored) else leaf
             tensor = _detached(to_tensor(first, where, "reduce"))
+            if parts.cluster is not None:  # multi-worker: this worker's value, once
+                plan = plan_components(title, op, [tensor], axes, topology.labels[:1], where)
+                partial, count = prepare(plan, tensor)
+                # The other local replicas add nothing: 0 to SUM/MEAN, the same value
+                # to MIN/MAX; their count 0 makes MEAN's divisor the workers' elements.
+                rest = partial if plan.base_op is not ReduceOp.SUM else torch.zeros_like(partial)
+                jobs.append((k, plan, [partial] + [rest] * (n_local - 1),
+                             [count] + [0] * (n_local - 1)))
+                worker_values = True
+                continue
             if axes is None and (topology.follows_caller or topology.num_replicas_in_sync > 1):
                 # Without an axis a value that is not per-replica is already the result
                 # (MEAN, MIN, MAX); with one replica of an explicit strategy it *is* the
@@ -105,7 +116,7 @@ def reduce(parts: Parts, reduce_op: ReduceOp | str, value: Any, axis: Any) -> An
     if jobs:
         communicator = parts.communicators.default
         counts: list[int] | None = None
-        if any(plan.counts for _, plan, _, _ in jobs):
+        if worker_values or any(plan.counts for _, plan, _, _ in jobs):
             counts = communicator.sum_counts([list(c) for c in zip(
                 *(job[3] for job in jobs), strict=True)])
         destination = _destination(device)

@@ -5,14 +5,37 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import torch
 
 from ..comm.selection import CommunicatorSelector
 from ..options import CommunicationOptions
 from ..runtime.runtime import Runtime
 from ..topology import Topology
 
-__all__ = ["Parts"]
+__all__ = ["Cluster", "Parts"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Cluster:
+    """What a multi-worker strategy adds to its parts.
+
+    With a cluster, a value that is not per-replica is *this worker's* value:
+    ``strategy.reduce`` combines it across workers (once per worker, whatever the
+    local replica count).
+
+    Args:
+        resolver: the strategy's cluster resolver (``strategy.cluster_resolver``).
+        vote: ``vote(has_data) -> any worker has data``, for distributed datasets.
+        sync: overwrites tensors in place with worker 0's values (``strategy.mirror``
+            starts every worker from the chief's parameters and buffers).
+    """
+
+    resolver: Any
+    vote: Callable[[bool], bool]
+    sync: Callable[[Sequence[torch.Tensor]], None]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -30,6 +53,7 @@ class Parts:
     runtime: Runtime
     communicators: CommunicatorSelector
     options: CommunicationOptions
+    cluster: Cluster | None = None
 
     @property
     def strategy(self) -> Any:

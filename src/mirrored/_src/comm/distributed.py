@@ -160,6 +160,59 @@ class DistributedCommunicator:
         """One new copy of ``tensor`` per destination (local only: no cross-worker traffic)."""
         return self._local.broadcast_to_devices(tensor, destinations)
 
+    def sum_counts(self, per_replica: Sequence[Sequence[int]]) -> list[int]:
+        """Global element counts (``per_replica[r][k]``: local replica ``r``'s count of
+        value ``k``): one int64 all-reduce SUM, checked like every call."""
+        local = [sum(counts) for counts in zip(*per_replica, strict=True)]
+        call = f"sum_counts({len(local)} values)"
+        seq = self._enter(call)
+        if self._check:
+            self._header(seq, call, [0] * self._topology.num_local_replicas)
+        totals = torch.tensor(local, dtype=torch.int64, device=self._wire.torch_device)
+        self._wait([dist.all_reduce(totals, group=self._group, async_op=True)], seq, call)
+        return [int(t) for t in totals.tolist()]
+
+    def agree(self, what: str, value: int) -> list[int]:
+        """Every worker's ``value`` (one int each), in worker order, whatever the local
+        replica counts (for start-up checks of what every worker must share).
+
+        Example:
+            ``comm.agree("local replicas", 2)`` on 2 workers gives ``[2, 2]``.
+        """
+        call = f"agree({what})"
+        seq = self._enter(call)
+        fp = _fingerprint(seq, call)  # always checked: a two-int header on every worker
+        header = torch.tensor([fp, int(value)], dtype=torch.int64,
+                              device=self._wire.torch_device)
+        rows = [torch.empty_like(header) for _ in range(self._topology.num_workers)]
+        self._wait([dist.all_gather(rows, header, group=self._group, async_op=True)], seq, call)
+        table: list[list[int]] = torch.stack(rows).tolist()
+        if any(row[0] != fp for row in table):
+            self._mismatch(seq, call)
+        return [row[1] for row in table]
+
+    def broadcast_from_chief(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Overwrites ``tensors`` in place with worker 0's values (one broadcast per
+        dtype; every worker passes tensors of the same shapes and dtypes)."""
+        call = "broadcast_from_chief(" + ", ".join(describe(t) for t in tensors) + ")"
+        seq = self._enter(call)
+        if self._check:
+            self._header(seq, call, [0] * self._topology.num_local_replicas)
+        groups: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            groups.setdefault(t.dtype, []).append(t)
+        flats, works = [], []
+        for dtype, members in groups.items():
+            wire = torch.uint8 if dtype == torch.bool else dtype
+            flat = packing.pack([m.detach().to(self._wire.torch_device, wire) for m in members])
+            flats.append((members, flat))
+            works.append(dist.broadcast(flat, src=0, group=self._group, async_op=True))
+        self._wait(works, seq, call)
+        with torch.no_grad():
+            for members, flat in flats:
+                for m, part in zip(members, packing.unpack(flat, members), strict=True):
+                    m.copy_(part)
+
     def any(self, flag: bool) -> bool:
         """Whether any worker passed ``True`` (one tiny all-gather of flags).
 

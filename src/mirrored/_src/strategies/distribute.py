@@ -9,12 +9,36 @@ from typing import Any
 
 import torch
 
-from .. import pytree
+from .. import context, pytree
 from ..collectives.cross_replica import check_components
 from ..collectives.parts import Parts
 from ..values import DistributedValues, PerReplica, ValueContext, regroup, select_replica
 
-__all__ = ["distribute_values", "local_results", "split_args"]
+__all__ = ["distribute_values", "local_results", "require_cross_replica", "split_args",
+           "sync_from_chief", "vote"]
+
+
+def require_cross_replica(parts: Parts, method: str) -> None:
+    """Refuses a cross-replica method inside ``run`` (the default strategy never does).
+
+    Raises:
+        RuntimeError: naming the method and what to use instead.
+    """
+    if not parts.topology.follows_caller and context.current_replica_context():
+        raise RuntimeError(
+            f"{parts.name}.{method} requires cross-replica context; use "
+            "get_replica_context().merge_call() or call it outside strategy.run")
+
+
+def vote(parts: Parts) -> Callable[[bool], bool] | None:
+    """How a distributed dataset asks whether any worker still has data (multi-worker)."""
+    return None if parts.cluster is None else parts.cluster.vote
+
+
+def sync_from_chief(parts: Parts, module: torch.nn.Module) -> None:
+    """Multi-worker: every worker starts from the chief's parameters and buffers (as DDP)."""
+    if parts.cluster is not None:
+        parts.cluster.sync([*module.parameters(), *module.buffers()])
 
 
 def split_args(parts: Parts, args: Any, kwargs: dict[str, Any]

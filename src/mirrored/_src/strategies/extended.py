@@ -41,6 +41,16 @@ class StrategyExtended:
         """Where mirrored parameters live: every replica device."""
         return self._parts.topology.device_names
 
+    @property
+    def should_checkpoint(self) -> bool:
+        """Whether this worker writes checkpoints: the chief (worker 0) only."""
+        return self._parts.topology.worker_index == 0
+
+    @property
+    def should_save_summary(self) -> bool:
+        """Whether this worker writes summaries: the chief (worker 0) only."""
+        return self._parts.topology.worker_index == 0
+
     def _require_cross_replica(self, method: str) -> None:
         if not self._parts.topology.follows_caller and context.current_replica_context():
             raise RuntimeError(

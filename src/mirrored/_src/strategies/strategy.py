@@ -15,7 +15,7 @@ import torch
 
 from .. import context
 from ..collectives import cross_replica
-from ..collectives.parts import Parts
+from ..collectives.parts import Cluster, Parts
 from ..comm.selection import CommunicatorSelector
 from ..data import DistributedDataset, DistributedDatasetsFromFunction, InputContext, InputOptions
 from ..options import CommunicationOptions
@@ -47,6 +47,7 @@ class Strategy:
         options: default options of every collective.
         raw_single_values: `experimental_distribute_values_from_function` returns the
             raw value, not a `PerReplica` (TF's `OneDeviceStrategy` and default strategy).
+        cluster: the multi-worker parts (resolver, dataset vote, chief sync), if any.
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -58,10 +59,10 @@ class Strategy:
 
     def __init__(self, *, topology: Topology, runtime: Runtime,
                  communicators: CommunicatorSelector, options: CommunicationOptions,
-                 raw_single_values: bool = False) -> None:
+                 raw_single_values: bool = False, cluster: Cluster | None = None) -> None:
         self._parts = Parts(strategy_ref=weakref.ref(self), name=type(self).__name__,
-                            topology=topology,
-                            runtime=runtime, communicators=communicators, options=options)
+                            topology=topology, runtime=runtime, communicators=communicators,
+                            options=options, cluster=cluster)
         self._contexts = tuple(ReplicaContext(self._parts, i)
                                for i in range(topology.num_local_replicas))
         self._extended = StrategyExtended(self._parts)
@@ -79,9 +80,10 @@ class Strategy:
         return self._extended
 
     @property
-    def cluster_resolver(self) -> None:
-        """``None``: single-process strategies have no cluster."""
-        return None
+    def cluster_resolver(self) -> Any:
+        """The multi-worker strategy's `ClusterResolver`; ``None`` for single-process ones."""
+        cluster = self._parts.cluster
+        return None if cluster is None else cluster.resolver
 
     @property
     def default_replica_context(self) -> ReplicaContext | None:
@@ -89,19 +91,13 @@ class Strategy:
         return self._contexts[0] if self._parts.topology.follows_caller else None
 
     def scope(self) -> contextlib.AbstractContextManager[Strategy]:
-        """Makes this strategy current for the enclosed code (cross-replica context).
-
-        Raises:
-            RuntimeError: entered inside the scope of a different (non-default) strategy.
-        """
+        """Makes this strategy current for the enclosed code (cross-replica context);
+        `RuntimeError` inside the scope of a different non-default strategy."""
         return context.enter_scope(self)
 
     def close(self) -> None:
-        """Stops the replica threads; also done when the strategy is garbage collected.
-
-        Raises:
-            RuntimeError: called inside ``run`` (a replica or a merge_fn).
-        """
+        """Stops the replica threads and empties the result pool (also done when the
+        strategy is garbage collected); `RuntimeError` inside ``run``."""
         if context.in_run():
             raise RuntimeError(f"{self._parts.name}.close cannot be called inside run (a "
                                "replica or a merge_fn); call it after run returns")
@@ -112,27 +108,17 @@ class Strategy:
         return f"{self._parts.name}(devices=[{names}])"
 
     def _require_cross_replica(self, method: str) -> None:
-        if not self._parts.topology.follows_caller and context.current_replica_context():
-            raise RuntimeError(
-                f"{self._parts.name}.{method} requires cross-replica context; use "
-                "get_replica_context().merge_call() or call it outside strategy.run")
+        distribute.require_cross_replica(self._parts, method)
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (),
             kwargs: dict[str, Any] | None = None, options: Any = None) -> Any:
         """Runs ``fn(*args, **kwargs)`` once per replica, concurrently, in replica context.
 
         Each `PerReplica`/`Mirrored` leaf of ``args``/``kwargs`` is replaced by the
-        replica's own component; other leaves go to every replica. Results are
-        regrouped: leaves that differ become `PerReplica` (one replica: the plain result).
-        ``options`` is accepted for TF compatibility and unused.
-
-        Raises:
-            ValueError: ``args`` is not a tuple or list (as SPEC and TF); a distributed
-                argument with the wrong number of components; replicas returned
-                different structures.
-            TypeError: ``kwargs`` is not a dict.
-            RuntimeError: called inside another ``run``.
-            Exception: whatever a replica raised, with the replica named in a note.
+        replica's own component. Leaves that differ across replicas come back as
+        `PerReplica` (one replica: the plain result). ``options`` is unused (TF's).
+        A replica's exception is raised with a note naming the replica; `ValueError`
+        for bad ``args`` or mismatched results, `RuntimeError` inside another run.
 
         Example:
             >>> import torch, mirrored
@@ -169,17 +155,10 @@ class Strategy:
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: Any = None) -> Any:
         """Reduces ``value`` across replicas (and over ``axis``) onto the current device.
 
-        ``axis=None`` combines replicas element-wise (shapes must match). With an
-        ``axis`` (int, negative, tuple or list) each component is first reduced over
-        it; MEAN is then the global sum over the global element count, exact for
-        uneven batches. Nests are reduced leaf by leaf. Without an axis a value that is
-        not per-replica is returned as is by MEAN, MIN and MAX. Results are detached.
-
-        Raises:
-            ValueError: mismatched components, bad axis, SUM of a value that is not
-                per-replica, MIN/MAX of no elements.
-            TypeError: ``reduce_op`` or ``axis`` of the wrong type; bool tensors.
-            RuntimeError: called in replica context.
+        ``axis=None`` combines replicas element-wise. With an ``axis`` each component is
+        first reduced over it; MEAN is the global sum over the global element count,
+        exact for uneven batches. Nests leaf by leaf; results are detached. See
+        docs/semantics.md for dtypes, plain values and errors.
 
         Example:
             >>> import torch, mirrored
@@ -250,7 +229,8 @@ class Strategy:
             [PerReplica:{0: tensor([0, 1]), 1: tensor([2])}]
         """
         self._require_cross_replica("experimental_distribute_dataset")
-        return DistributedDataset(dataset, self._parts.topology, options)
+        return DistributedDataset(dataset, self._parts.topology, options,
+                                  any_worker=distribute.vote(self._parts))
 
     def distribute_datasets_from_function(
             self, dataset_fn: Callable[[InputContext], Iterable[Any]],
@@ -267,7 +247,8 @@ class Strategy:
             PerReplica:{0: tensor([1., 1.]), 1: tensor([0.])}
         """
         self._require_cross_replica("distribute_datasets_from_function")
-        return DistributedDatasetsFromFunction(dataset_fn, self._parts.topology, options)
+        return DistributedDatasetsFromFunction(dataset_fn, self._parts.topology, options,
+                                               any_worker=distribute.vote(self._parts))
 
     # --------------------------------------------------------- training
     def mirror(self, module: torch.nn.Module, *, sync_batch_norm: bool = False
@@ -283,6 +264,7 @@ class Strategy:
             >>> len(model.replicas)
             2
         """
+        distribute.sync_from_chief(self._parts, module)
         return mirror(self, module, sync_batch_norm=sync_batch_norm)
 
     def mirror_optimizer(self, module: MirroredModule,

@@ -1,0 +1,142 @@
+"""`MultiWorkerMirroredStrategy`: `Strategy` over several processes, assembled from a
+global `Topology` (this worker's devices, its index in the job), the thread runtime,
+and a `CommunicatorSelector` whose communicators are two-level: local replicas are
+combined in-process, then one ``torch.distributed`` collective per pack crosses the
+workers (`DistributedCommunicator`). It starts (or joins) the job's process group
+from a cluster resolver and refuses workers with different local replica counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import final
+
+import torch
+
+from ..cluster import process_group
+from ..cluster.resolver import ClusterResolver, default_cluster_resolver
+from ..collectives.parts import Cluster
+from ..comm.cross_device_ops import CrossDeviceOps, NcclAllReduce
+from ..comm.distributed import DistributedCommunicator
+from ..comm.selection import CommunicatorSelector
+from ..devices import Device, parse_devices
+from ..options import CommunicationImplementation, CommunicationOptions
+from ..runtime.runtime import ThreadRuntime
+from ..topology import Topology
+from .mirrored import _options
+from .strategy import Strategy
+
+__all__ = ["MultiWorkerMirroredStrategy"]
+
+_NCCL = CommunicationImplementation.NCCL
+_AUTO = CommunicationImplementation.AUTO
+
+
+def _default_devices(resolver: ClusterResolver) -> list[str]:
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return [f"GPU:{resolver.spec.local_rank % torch.cuda.device_count()}"]
+    return ["CPU:0"]
+
+
+def _backend(devices: Sequence[Device], options: CommunicationOptions) -> str:
+    """RING is Gloo; NCCL needs every replica on a GPU; AUTO is NCCL when they are."""
+    all_gpus = all(d.kind == "GPU" for d in devices)
+    implementation = options.implementation
+    if implementation is _NCCL and not all_gpus:
+        raise ValueError(
+            "implementation NCCL needs every replica on a CUDA device; this worker's "
+            f"replicas are on {', '.join(d.short_name for d in devices)}. Use AUTO or RING")
+    return "nccl" if implementation is _NCCL or (implementation is _AUTO and all_gpus) else "gloo"
+
+
+@final
+class MultiWorkerMirroredStrategy(Strategy):
+    """Synchronous data parallelism across the workers of a job, each with one or more
+    local replicas (TF: ``tf.distribute.MultiWorkerMirroredStrategy``).
+
+    Global replica ids are ``worker_index * local_replicas + local_index``;
+    ``num_replicas_in_sync`` counts every worker's replicas. Every operation of a
+    single-process strategy works across workers with the same semantics; results
+    of ``reduce`` are on every worker. A value that is not per-replica is *this
+    worker's value*: ``reduce("SUM", torch.tensor(1.))`` is ``2.`` on 2 workers
+    (MEAN, MIN and MAX combine one value per worker too).
+
+    Failures never hang: a collective that a peer never joins raises
+    `CollectiveTimeoutError` after ``communication_options.timeout_seconds``; a dead
+    peer makes the survivors raise `WorkerFailureError` naming it within
+    ``failure_timeout_seconds``; a worker that skips a collective or calls another
+    one makes the others raise `CollectiveMismatchError`.
+
+    Args:
+        cluster_resolver: where this process sits in the job (default:
+            `default_cluster_resolver`: torchrun's variables, else ``TF_CONFIG``, else
+            one local worker).
+        communication_options: default `CommunicationOptions`; ``implementation``
+            picks the backend (``RING``: Gloo, ``NCCL``, ``AUTO``: NCCL when every
+            replica is a GPU) and ``timeout_seconds`` bounds each cross-worker wait.
+        devices: this worker's replica devices (default: the GPU of ``LOCAL_RANK``,
+            else one CPU replica). Every worker must have as many.
+        failure_timeout_seconds: a peer silent for this long is dead (default 10 s).
+
+    Raises:
+        ValueError: workers with different local replica counts (every worker raises,
+            naming each worker's count), NCCL on CPU replicas, bad devices.
+        RuntimeError: a process group of another job is already running.
+
+    Example:
+        >>> import torch, mirrored
+        >>> from mirrored._src.cluster import process_group
+        >>> one_worker = mirrored.cluster_resolver.SimpleClusterResolver(
+        ...     master_port=mirrored.testing.find_free_port())
+        >>> strategy = mirrored.MultiWorkerMirroredStrategy(one_worker, devices=["CPU:0", "CPU:1"])
+        >>> strategy.num_replicas_in_sync, strategy.extended.worker_devices[1]
+        (2, '/job:worker/replica:0/task:0/device:CPU:1')
+        >>> strategy.reduce("SUM", torch.tensor(1.0))
+        tensor(1.)
+        >>> strategy.close(); process_group.destroy_process_group()
+    """
+
+    def __init__(self, cluster_resolver: ClusterResolver | None = None,
+                 communication_options: CommunicationOptions | None = None,
+                 devices: Sequence[str | torch.device] | None = None, *,
+                 failure_timeout_seconds: float = 10.0) -> None:
+        resolver = default_cluster_resolver() if cluster_resolver is None else cluster_resolver
+        if not isinstance(resolver, ClusterResolver):
+            raise TypeError("cluster_resolver must be a mirrored.cluster_resolver."
+                            f"ClusterResolver; got {type(resolver).__name__}")
+        options = _options(communication_options)
+        spec = resolver.spec
+        parsed = parse_devices(_default_devices(resolver) if devices is None else devices,
+                               job="worker", task=spec.worker_index)
+        backend = _backend(parsed, options)
+        job = process_group.init_process_group(
+            backend, spec.worker_index, spec.num_workers, spec.master_addr, spec.master_port,
+            timeout_seconds=options.timeout_seconds or 120.0,
+            failure_timeout_seconds=failure_timeout_seconds)
+        topology = Topology(devices=tuple(parsed), worker_index=spec.worker_index,
+                            num_workers=spec.num_workers)
+        explicit: CrossDeviceOps | None = None
+        if backend == "nccl" and len(parsed) == 1:
+            explicit = NcclAllReduce()  # the selector's NCCL rule wants several GPUs
+
+        def wrap(ops: CrossDeviceOps) -> DistributedCommunicator:
+            return DistributedCommunicator(ops, topology, timeout_seconds=options.timeout_seconds,
+                                           job=job)
+
+        selector = CommunicatorSelector(topology.devices, explicit, options, wrap=wrap)
+        comm = selector.default
+        assert isinstance(comm, DistributedCommunicator)  # built by wrap above
+        counts = comm.agree("local replicas", topology.num_local_replicas)
+        if len(set(counts)) > 1:
+            listing = ", ".join(f"worker {i}: {n}" for i, n in enumerate(counts))
+            raise ValueError(f"every worker of a MultiWorkerMirroredStrategy needs the same "
+                             f"number of local replicas; got {listing}. Pass devices= with "
+                             "as many devices on every worker")
+        cluster = Cluster(resolver=resolver, vote=comm.any, sync=comm.broadcast_from_chief)
+        super().__init__(topology=topology, runtime=ThreadRuntime(topology, type(self).__name__),
+                         communicators=selector, options=options, cluster=cluster)
+
+    def __repr__(self) -> str:
+        return (f"MultiWorkerMirroredStrategy(worker {self._parts.topology.worker_index} of "
+                f"{self._parts.topology.num_workers}, devices=["
+                + ", ".join(repr(d.short_name) for d in self._parts.topology.devices) + "])")

@@ -1,0 +1,155 @@
+"""`CheckpointManager`: checkpoints of a (multi-worker) training job.
+
+The chief (worker 0, ``strategy.extended.should_checkpoint``) writes each checkpoint
+atomically (a temporary file in the same directory, flushed and fsynced, then
+renamed), and every worker waits for it (a barrier through the strategy's
+communicator), so a checkpoint that exists is complete and every worker sees it.
+`restore` loads the newest one on every worker, after the workers agree on which
+one it is, so a job that ``torchrun --max-restarts`` restarts resumes from it.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["CheckpointManager"]
+
+_NAME = re.compile(r"^ckpt-(\d+)\.pt$")
+
+
+def _barrier(strategy: Any) -> None:
+    cluster = strategy._parts.cluster
+    if cluster is not None:
+        cluster.vote(False)  # every worker must reach it: an all-gather of one flag
+
+
+def _check_objects(objects: Mapping[str, Any]) -> None:
+    if not isinstance(objects, Mapping):
+        raise TypeError(f"objects must be a mapping of name -> object with state_dict(); got "
+                        f"{type(objects).__name__}")
+    for name, obj in objects.items():
+        if not (callable(getattr(obj, "state_dict", None))
+                and callable(getattr(obj, "load_state_dict", None))):
+            raise TypeError(f"objects[{name!r}] ({type(obj).__name__}) has no state_dict() "
+                            "and load_state_dict(); pass modules, optimizers, schedulers")
+
+
+class CheckpointManager:
+    """Saves and restores named objects (``state_dict``/``load_state_dict``) with a step.
+
+    Args:
+        strategy: the training's strategy (any; across workers, a
+            `MultiWorkerMirroredStrategy`).
+        directory: where checkpoints go (shared by every worker: one machine, or a
+            shared file system); created by the chief.
+        max_to_keep: how many of the newest checkpoints the chief keeps (>= 1).
+
+    Raises:
+        ValueError: ``max_to_keep`` below 1.
+
+    Example:
+        >>> import tempfile, torch, mirrored
+        >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> model = strategy.mirror(torch.nn.Linear(2, 1))
+        >>> manager = CheckpointManager(strategy, tempfile.mkdtemp())
+        >>> manager.restore({"model": model}) is None  # nothing saved yet
+        True
+        >>> _ = manager.save(5, {"model": model})
+        >>> manager.restore({"model": model})
+        5
+    """
+
+    def __init__(self, strategy: Any, directory: str | os.PathLike[str], *,
+                 max_to_keep: int = 2) -> None:
+        if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be an int >= 1; got {max_to_keep!r}")
+        self._strategy = strategy
+        self.directory = pathlib.Path(directory)
+        self.max_to_keep = max_to_keep
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this worker writes the checkpoints."""
+        return bool(self._strategy.extended.should_checkpoint)
+
+    def steps(self) -> list[int]:
+        """The steps of the complete checkpoints in the directory, oldest first."""
+        if not self.directory.is_dir():
+            return []
+        found = (_NAME.match(p.name) for p in self.directory.iterdir())
+        return sorted(int(m.group(1)) for m in found if m)
+
+    def path(self, step: int) -> pathlib.Path:
+        """Where the checkpoint of ``step`` is."""
+        return self.directory / f"ckpt-{step:09d}.pt"
+
+    def save(self, step: int, objects: Mapping[str, Any]) -> pathlib.Path:
+        """Every worker calls it; the chief writes ``objects``' state dicts as the
+        checkpoint of ``step`` (atomically) and drops the oldest beyond ``max_to_keep``;
+        returns when the checkpoint exists for every worker.
+
+        Raises:
+            TypeError: an object without ``state_dict``/``load_state_dict``, a bad step.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise TypeError(f"step must be an int >= 0; got {step!r}")
+        _check_objects(objects)
+        target = self.path(step)
+        if self.is_chief:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            state = {"step": step, "objects": {k: v.state_dict() for k, v in objects.items()}}
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-ckpt-")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    torch.save(state, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, target)
+            except BaseException:
+                pathlib.Path(tmp).unlink(missing_ok=True)
+                raise
+            for old in self.steps()[:-self.max_to_keep]:
+                self.path(old).unlink(missing_ok=True)
+        _barrier(self._strategy)
+        return target
+
+    def restore(self, objects: Mapping[str, Any]) -> int | None:
+        """Every worker calls it: loads the newest checkpoint into ``objects`` and
+        returns its step, or returns ``None`` (and loads nothing) when there is none.
+
+        Raises:
+            RuntimeError: the workers see different newest checkpoints (a directory
+                that is not shared).
+            KeyError: the checkpoint lacks one of ``objects``' names.
+        """
+        _check_objects(objects)
+        _barrier(self._strategy)  # a save still in progress elsewhere is finished
+        steps = self.steps()
+        newest = steps[-1] if steps else -1
+        cluster = self._strategy._parts.cluster
+        if cluster is not None:
+            mine = torch.tensor(newest, dtype=torch.int64)
+            low = int(self._strategy.reduce("MIN", mine).item())
+            high = int(self._strategy.reduce("MAX", mine).item())
+            if low != high:
+                raise RuntimeError(
+                    f"workers see different newest checkpoints in {self.directory} (steps "
+                    f"{low} to {high}; -1 means none); every worker must see the same "
+                    "directory (one machine or a shared file system)")
+        if newest < 0:
+            return None
+        state = torch.load(self.path(newest), map_location="cpu", weights_only=True)
+        missing = sorted(set(objects) - set(state["objects"]))
+        if missing:
+            raise KeyError(f"checkpoint {self.path(newest)} has no {missing}; it holds "
+                           f"{sorted(state['objects'])}")
+        for name, obj in objects.items():
+            obj.load_state_dict(state["objects"][name])
+        return int(state["step"])

@@ -1,0 +1,279 @@
+"""MultiWorkerMirroredStrategy across real processes (Gloo over 127.0.0.1).
+
+One worker function per configuration makes many checks and returns plain values;
+the parent compares them with references computed here from the same closed-form
+inputs (replica ``g`` of ``N`` holds values built from ``g``), with NumPy. Spawning
+is the slow part (torch's import), so configurations are few and checks many.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import mirrored
+from mirrored._src.cluster import process_group
+from mirrored._src.data.split import chunk_bounds
+from mirrored.experimental import CommunicationOptions
+
+OPTIONS = CommunicationOptions(timeout_seconds=20)
+
+
+def _strategy(local: int, **kwargs):
+    return mirrored.MultiWorkerMirroredStrategy(
+        communication_options=OPTIONS, devices=[f"CPU:{i}" for i in range(local)], **kwargs)
+
+
+def _vals(value, strategy):
+    return [t.tolist() for t in strategy.experimental_local_results(value)]
+
+
+def _every_operation(local: int) -> dict:
+    """Runs on each worker: every operation, results as lists."""
+    strategy = _strategy(local)
+    topology = strategy._parts.topology
+    out: dict = {"n": strategy.num_replicas_in_sync,
+                 "devices": list(strategy.extended.worker_devices),
+                 "chief": strategy.extended.should_checkpoint,
+                 "resolver": type(strategy.cluster_resolver).__name__}
+    ids = strategy.run(lambda: mirrored.get_replica_context().replica_id_in_sync_group)
+    out["ids"] = list(strategy.experimental_local_results(ids))
+    # Replica g holds [g+1, 2(g+1)] (no axis) and g+1 repeated 2(g+1) times (axis 0).
+    pair = strategy.experimental_distribute_values_from_function(
+        lambda ctx: torch.tensor([ctx.replica_id_in_sync_group + 1.0,
+                                  2.0 * (ctx.replica_id_in_sync_group + 1)]))
+    rows = strategy.experimental_distribute_values_from_function(
+        lambda ctx: torch.full((2 * (ctx.replica_id_in_sync_group + 1),),
+                               ctx.replica_id_in_sync_group + 1.0))
+    for op in ("SUM", "MEAN", "MIN", "MAX"):
+        out[f"reduce_{op}"] = strategy.reduce(op, pair).tolist()
+        out[f"reduce_{op}_axis"] = strategy.reduce(op, rows, axis=0).item()
+        # A host tensor is this worker's value: worker w holds w + 1.
+        host = torch.tensor(topology.worker_index + 1.0)
+        out[f"host_{op}"] = strategy.reduce(op, host).item()
+        out[f"host_{op}_axis"] = strategy.reduce(
+            op, torch.arange(topology.worker_index + 2.0), axis=0).item()
+    out["host_sum_one"] = strategy.reduce("SUM", torch.tensor(1.0)).item()
+    out["gather"] = strategy.gather(rows, axis=0).tolist()
+
+    def step():
+        ctx = mirrored.get_replica_context()
+        g = ctx.replica_id_in_sync_group
+        mine = torch.full((g + 1,), float(g))
+        return (ctx.all_reduce("SUM", torch.tensor(float(g))),
+                ctx.all_reduce("MEAN", torch.full((2 * (g + 1),), g + 1.0), axis=0),
+                ctx.all_reduce("MAX", {"a": torch.tensor([g, -g])}),
+                ctx.all_gather(mine, axis=0),
+                ctx.merge_call(lambda s, v: s.reduce("SUM", v), args=(torch.tensor(2.0 * g),)),
+                mirrored.compute_average_loss(torch.ones(g + 1)))
+
+    step_out = strategy.run(step)
+    out["step"] = [(s.item(), m.item(), x["a"].tolist(), ga.tolist(), mc.item(), loss.item())
+                   for s, m, x, ga, mc, loss in strategy.experimental_local_results(step_out)]
+    out["reduce_to"] = strategy.extended.reduce_to("MEAN", pair, "CPU:0").tolist()
+    ones = strategy.experimental_distribute_values_from_function(lambda ctx: torch.tensor(1.0))
+    batch = strategy.extended.batch_reduce_to("SUM", [(pair, "CPU:0"), (ones, "CPU:0")])
+    out["batch_reduce_to"] = [t.tolist() for t in batch]
+    out["broadcast_to"] = _vals(strategy.extended.broadcast_to(torch.tensor(7.0), pair),
+                                strategy)
+    # Dataset: range(14) in global batches of 8 (the last one partial).
+    data = [torch.arange(0, 8), torch.arange(8, 14)]
+    out["dataset"] = [_vals(b, strategy) for b in strategy.experimental_distribute_dataset(data)]
+
+    def dataset_fn(ctx):  # worker w has w + 1 elements of its own per replica
+        return [torch.full((2,), 10.0 * ctx.input_pipeline_id + j)
+                for j in range((ctx.input_pipeline_id + 1) * local)]
+
+    per_worker = strategy.distribute_datasets_from_function(dataset_fn)
+    out["from_function"] = [_vals(b, strategy) for b in per_worker]
+    out["input_context"] = (per_worker.input_context.num_input_pipelines,
+                            per_worker.input_context.input_pipeline_id)
+    out["repr"] = repr(strategy)
+    strategy.close()
+    process_group.destroy_process_group()
+    return out
+
+
+def _check_every_operation(results: list[dict], workers: int, local: int) -> None:
+    n = workers * local
+    pair = np.array([[g + 1.0, 2.0 * (g + 1)] for g in range(n)])
+    rows = [np.full(2 * (g + 1), g + 1.0) for g in range(n)]
+    flat = np.concatenate(rows)
+    host = np.arange(1.0, workers + 1)
+    host_rows = np.concatenate([np.arange(w + 2.0) for w in range(workers)])
+    ops = {"SUM": np.sum, "MEAN": np.mean, "MIN": np.min, "MAX": np.max}
+    for w, out in enumerate(results):
+        assert out["n"] == n and out["chief"] == (w == 0)
+        assert out["resolver"] == "TorchrunClusterResolver"
+        assert out["devices"] == [f"/job:worker/replica:0/task:{w}/device:CPU:{i}"
+                                  for i in range(local)]
+        assert out["ids"] == [w * local + i for i in range(local)]
+        for op, fn in ops.items():
+            assert out[f"reduce_{op}"] == pytest.approx(fn(pair, axis=0).tolist())
+            assert out[f"reduce_{op}_axis"] == pytest.approx(fn(flat))
+            assert out[f"host_{op}"] == pytest.approx(fn(host))
+            assert out[f"host_{op}_axis"] == pytest.approx(fn(host_rows))
+        if n == 2:
+            assert out["reduce_MEAN_axis"] == pytest.approx(10 / 6)
+        assert out["host_sum_one"] == workers
+        assert out["gather"] == flat.tolist()
+        for i, (s, m, x, ga, mc, loss) in enumerate(out["step"]):
+            g = w * local + i
+            assert s == sum(range(n)) and m == pytest.approx(np.mean(flat))
+            assert x == [n - 1, 0]
+            assert ga == [float(r) for r in range(n) for _ in range(r + 1)]
+            assert mc == pytest.approx(2.0 * sum(range(n)))
+            assert loss == pytest.approx((g + 1) / sum(r + 1 for r in range(n)))
+        assert out["reduce_to"] == pytest.approx(pair.mean(axis=0).tolist())
+        assert out["batch_reduce_to"] == [pytest.approx(pair.sum(axis=0).tolist()), n]
+        assert out["broadcast_to"] == [7.0] * local
+        expect = []
+        for lo, hi in ((0, 8), (8, 14)):
+            expect.append([list(range(lo + a, lo + b)) for a, b in
+                           (chunk_bounds(hi - lo, n, w * local + i) for i in range(local))])
+        assert out["dataset"] == expect
+        steps = workers  # the worker with the most data (the last) has `workers` steps
+        expect_fn = [[[10.0 * w + s * local + i] * 2 if s < w + 1 else [] for i in range(local)]
+                     for s in range(steps)]
+        assert out["from_function"] == expect_fn
+        assert out["input_context"] == (workers, w)
+        assert out["repr"].startswith(f"MultiWorkerMirroredStrategy(worker {w} of {workers}")
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(("workers", "local"), [(2, 1), (2, 2), (3, 2)])
+def test_every_operation_across_workers(workers, local):
+    results = mirrored.testing.run_multi_process(_every_operation, workers, args=(local,),
+                                                 timeout=80)
+    _check_every_operation(results, workers, local)
+
+
+def test_two_workers_split_range_14_as_the_spec_says():
+    # Worker 0 gets [0..3] then [8, 9, 10]; worker 1 [4..7] then [11, 12, 13].
+    assert [list(range(*chunk_bounds(8, 2, w))) for w in (0, 1)] == [[0, 1, 2, 3],
+                                                                      [4, 5, 6, 7]]
+    assert [[8 + i for i in range(*chunk_bounds(6, 2, w))] for w in (0, 1)] == [
+        [8, 9, 10], [11, 12, 13]]
+
+
+def _uneven_local_counts() -> str:
+    rank = int(os.environ["RANK"])
+    try:
+        _strategy(1 + rank)
+    except ValueError as error:
+        return str(error)
+    finally:
+        process_group.destroy_process_group()
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_workers_with_different_local_replica_counts_are_refused():
+    messages = mirrored.testing.run_multi_process(_uneven_local_counts, 2, timeout=50)
+    for message in messages:
+        assert "same number of local replicas; got worker 0: 1, worker 1: 2" in message
+
+
+# ----------------------------------------------------------------- failures
+
+
+def _killed_mid_training(directory: str) -> None:
+    strategy = _strategy(1, failure_timeout_seconds=2.0)
+    rank = strategy._parts.topology.worker_index
+    model = strategy.mirror(torch.nn.Linear(4, 1))
+    opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+
+    def step():
+        loss = model(torch.ones(2, 4)).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    for _ in range(3):
+        strategy.run(step)
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    report: dict = {"error": None}
+    try:
+        for _ in range(100000):
+            strategy.run(step)
+    except mirrored.WorkerFailureError as error:
+        report = {"error": str(error), "seconds": time.monotonic() - start,
+                  "workers": list(error.workers)}
+    with open(os.path.join(directory, f"{rank}.json"), "w") as f:
+        json.dump(report, f)
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_killed_mid_training_makes_the_survivors_raise_worker_failure_error(
+        tmp_path):
+    with pytest.raises(mirrored.testing.MultiProcessError) as info:
+        mirrored.testing.run_multi_process(_killed_mid_training, 3, args=(str(tmp_path),),
+                                           timeout=80)
+    assert info.value.rank == 2 and set(info.value.failures) == {2}  # only the killed one
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert report["workers"] == [2], report
+        assert "worker 2 failed" in report["error"]
+        assert report["seconds"] < 2.0 + 5.0  # failure_timeout_seconds plus slack
+
+
+def _skips_an_all_reduce() -> str:
+    strategy = _strategy(2)
+    rank = strategy._parts.topology.worker_index
+
+    def step():
+        ctx = mirrored.get_replica_context()
+        first = ctx.all_reduce("SUM", torch.ones(3))
+        if rank == 0:  # worker 1 skips this one and goes on to the next
+            ctx.all_reduce("SUM", torch.ones(5))
+        return ctx.all_reduce("MAX", first)
+
+    try:
+        strategy.run(step)
+    except mirrored.CollectiveMismatchError as error:
+        return str(error)
+    finally:
+        process_group.destroy_process_group()
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_skips_an_all_reduce_gets_a_mismatch_error():
+    messages = mirrored.testing.run_multi_process(_skips_an_all_reduce, 2, timeout=50)
+    for message in messages:
+        assert "workers made different calls as collective" in message
+    assert "reduce_packed(SUM: float32[5]" in messages[0]
+
+
+def _never_joins() -> str:
+    strategy = mirrored.MultiWorkerMirroredStrategy(
+        communication_options=CommunicationOptions(timeout_seconds=1.5), devices=["CPU:0"])
+    rank = strategy._parts.topology.worker_index
+    if rank == 1:
+        time.sleep(6)
+        process_group.destroy_process_group()
+        return "slept"
+    start = time.monotonic()
+    try:
+        strategy.reduce("SUM", torch.tensor(1.0))
+    except mirrored.CollectiveTimeoutError as error:
+        return f"{time.monotonic() - start:.1f} {error}"
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_a_collective_that_a_peer_never_joins_times_out():
+    first, second = mirrored.testing.run_multi_process(_never_joins, 2, timeout=50)
+    assert second == "slept"
+    seconds, message = first.split(" ", 1)
+    assert 1.4 <= float(seconds) < 4.0
+    assert "waited 1.5 s in collective" in message

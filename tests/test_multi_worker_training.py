@@ -94,7 +94,7 @@ def _worker(local: int, directory: str | None, crash_at: int | None,
     strategy = mirrored.MultiWorkerMirroredStrategy(
         communication_options=CommunicationOptions(timeout_seconds=30),
         devices=[f"CPU:{i}" for i in range(local)])
-    worker = strategy._parts.topology.worker_index
+    worker = strategy.cluster_resolver.worker_index
     try:  # worker 1 builds different initial values: mirror starts it from the chief's
         state = train_digits_like(strategy, steps, directory,
                                   crash_at if worker == 1 else None,

@@ -27,7 +27,7 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
-    "in_replica",
+    "call_in_replica",
     "register_default_strategy",
 ]
 
@@ -110,13 +110,14 @@ def enter_scope(strategy: StrategyLike) -> Iterator[Strategy]:
         _state.stack.pop()
 
 
-@contextmanager
-def in_replica(strategy: Strategy, replica_context: ReplicaContext) -> Iterator[None]:
-    """Puts this thread in ``replica_context`` of ``strategy`` (used by `run`)."""
+def call_in_replica(strategy: Strategy, replica_context: ReplicaContext,
+                    fn: Callable[..., Any], args: Any, kwargs: dict[str, Any]) -> Any:
+    """Calls ``fn`` with this thread in ``replica_context`` of ``strategy`` (used by
+    `run`; a plain push/pop, cheaper than a context manager on the hot path)."""
     stack = _state.stack
     stack.append(_Frame(strategy, replica_context, in_run=True))
     try:
-        yield
+        return fn(*args, **kwargs)
     finally:
         stack.pop()
 
@@ -229,21 +230,23 @@ _in_flight: dict[int, int] = {}
 _in_flight_lock = threading.Lock()
 
 
-@contextmanager
-def running(strategy: StrategyLike) -> Iterator[None]:
-    """Marks a ``run`` of ``strategy`` as in flight (process-wide) while it lasts."""
+def run_started(strategy: StrategyLike) -> int:
+    """Marks a ``run`` of ``strategy`` as in flight (process-wide); returns the key to
+    pass to `run_finished`."""
     key = id(strategy)
     with _in_flight_lock:
         _in_flight[key] = _in_flight.get(key, 0) + 1
-    try:
-        yield
-    finally:
-        with _in_flight_lock:
-            left = _in_flight[key] - 1
-            if left:
-                _in_flight[key] = left
-            else:
-                del _in_flight[key]
+    return key
+
+
+def run_finished(key: int) -> None:
+    """The run marked by `run_started` ended."""
+    with _in_flight_lock:
+        left = _in_flight[key] - 1
+        if left:
+            _in_flight[key] = left
+        else:
+            del _in_flight[key]
 
 
 def run_in_flight(strategy: StrategyLike | None = None) -> bool:

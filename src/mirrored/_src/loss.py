@@ -64,6 +64,8 @@ def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = 
                              f"or integer 0-d tensor), or None to count the examples; got "
                              f"{global_batch_size!r}")
         return total / int(size)
+    if replica.num_replicas_in_sync == 1:  # the local count is the global one
+        return total / loss.shape[0]
     count = torch.tensor(loss.shape[0], dtype=torch.int64, device=loss.device)
     global_count = replica.all_reduce("SUM", count)
     average: torch.Tensor = total / global_count.to(total.dtype)

@@ -189,6 +189,13 @@ def all_reduce(parts: Parts, index: int, reduce_op: ReduceOp | str, value: Any,
     title = op_title("all_reduce", op, axes)
     refuse_in_merge_fn(parts, title, site)
     tensors, spec = tensors_of(value, title)
+    if axes is None and parts.topology.num_replicas_in_sync == 1:
+        # One replica: each leaf is its own result (a copy, promoted for an integer
+        # MEAN). clone/to are differentiable, with the identity as gradient.
+        plans = with_paths(value, len(tensors), lambda wheres: [
+            plan_leaf(title, op, t, None, w) for t, w in zip(tensors, wheres, strict=True)])
+        return pytree.unflatten(spec, [t.clone() if p.result == t.dtype else t.to(p.result)
+                                       for t, p in zip(tensors, plans, strict=True)])
     job = AllReduce(parts, index, op, axes, merged, title, site, value)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         outputs = list(_AllReduceFunction.apply(job, spec, *tensors))  # type: ignore[no-untyped-call]

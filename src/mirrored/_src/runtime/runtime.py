@@ -13,6 +13,7 @@ caller's thread, under the caller's device.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 import weakref
@@ -108,6 +109,7 @@ class ThreadRuntime:
         self._n = topology.num_local_replicas
         self._timeout = timeout_seconds
         self._local = threading.local()  # .generation: the run a replica thread serves
+        self._split_threads = self._n > 1 and all(d.kind == "CPU" for d in topology.devices)
         self._streams = RandomStreams(topology.replica_ids) if (
             per_replica_random and self._n > 1
             and all(d.kind == "CPU" for d in topology.devices)) else None
@@ -128,6 +130,8 @@ class ThreadRuntime:
         return self._caller_device
 
     def run(self, call: Callable[[int], Any]) -> list[Any]:
+        if self._n == 1:
+            return [self._run_one(call)]
         if self._n > 1:
             modes = refused_modes()
             if modes:
@@ -136,6 +140,11 @@ class ThreadRuntime:
                     "threads (one mode object cannot be active on several threads); enter it "
                     "inside the step function instead")
         caller_state = capture()
+        if self._split_threads:
+            # N replicas share the caller's intra-op budget: each runs with
+            # get_num_threads() // N threads (at least 1), whichever thread runs it.
+            caller_state = dataclasses.replace(
+                caller_state, num_threads=max(1, caller_state.num_threads // self._n))
         caller_thread = threading.get_ident()
         caller_device = current_device()
         devices = self._topology.torch_devices
@@ -146,12 +155,15 @@ class ThreadRuntime:
             local.generation = generation
             device = devices[i]
             try:
+                on_caller = threading.get_ident() == caller_thread
                 if streams is None and device == caller_device and device.type == "cpu" and (
-                        threading.get_ident() == caller_thread or capture() == caller_state):
+                        (on_caller and not self._split_threads) or capture() == caller_state):
                     return call(i)  # the common case: nothing to set up
                 with contextlib.ExitStack() as stack:
                     if device != caller_device or device.type != "cpu":
                         stack.enter_context(_on_device(device))
+                    if on_caller and torch.get_num_threads() != caller_state.num_threads:
+                        stack.callback(torch.set_num_threads, torch.get_num_threads())
                     caller_state.apply(stack)
                     if streams is not None:
                         stack.enter_context(streams.mode(i))
@@ -159,14 +171,6 @@ class ThreadRuntime:
             finally:
                 local.generation = 0
 
-        if self._n == 1:
-            generation = 0
-            self._caller_device = caller_device
-            try:
-                return [on_replica(0)]
-            except Exception as error:
-                _add_note(error, self._note(0))
-                raise
         self._acquire_run_lock()
         try:
             self._running = True
@@ -188,6 +192,20 @@ class ThreadRuntime:
         if failures:
             raise self._failure_error(failures)
         return results
+
+    def _run_one(self, call: Callable[[int], Any]) -> Any:
+        # One local replica runs right here, on the caller's thread and state.
+        caller_device = current_device()
+        self._caller_device = caller_device
+        device = self._topology.torch_devices[0]
+        try:
+            if device == caller_device and device.type == "cpu":
+                return call(0)
+            with _on_device(device):
+                return call(0)
+        except Exception as error:
+            _add_note(error, self._note(0))
+            raise
 
     def _acquire_run_lock(self) -> None:
         if self._run_lock.acquire(timeout=MISUSE_SECONDS):

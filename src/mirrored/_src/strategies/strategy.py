@@ -145,11 +145,13 @@ class Strategy:
 
         def call(i: int) -> Any:
             a, k = replica_args(i)
-            with context.in_replica(self, contexts[i]):
-                return fn(*a, **k)
+            return context.call_in_replica(self, contexts[i], fn, a, k)
 
-        with context.running(self):
+        key = context.run_started(self)
+        try:
             results = self._parts.runtime.run(call)
+        finally:
+            context.run_finished(key)
         return regroup(results, topology.device_names)
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: Any = None) -> Any:

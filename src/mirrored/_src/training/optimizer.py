@@ -145,6 +145,12 @@ class MirroredOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         params = self._params[r]
+        optimizer = self._optimizers[r]
+        if self._strategy.num_replicas_in_sync == 1:  # the gradients are the global ones
+            if clip_grad_norm is not None:
+                nn.utils.clip_grad_norm_(params, clip_grad_norm)
+            optimizer.step()
+            return loss
         grads = [p.grad for p in params]
         missing = [k for k, g in enumerate(grads) if g is None]
         flags = self._ones[r]
@@ -167,7 +173,6 @@ class MirroredOptimizer(torch.optim.Optimizer):
             averaged = reduced[n + 1:]
             torch._foreach_div_(averaged, self._strategy.num_replicas_in_sync)
             torch._foreach_copy_(stats, averaged)
-        optimizer = self._optimizers[r]
         if r:
             for source, target in zip(self.param_groups, optimizer.param_groups, strict=True):
                 for key, value in source.items():

@@ -3,6 +3,8 @@
     python examples/train_digits.py                      # 4 logical CPU replicas, 10 epochs
     python examples/train_digits.py --replicas 1         # the same training on one replica
     python examples/train_digits.py --checkpoint-dir ckpt  # save every epoch, resume
+    torchrun --nproc-per-node=2 --max-restarts=1 examples/train_digits.py --multi-worker \
+        --checkpoint-dir ckpt                            # 2 workers, resumes after a restart
 
 `MirroredStrategy` runs one copy of the model per replica ("CPU:0" ... are logical CPU
 devices, so this runs on any machine). Each step splits one global batch over the
@@ -12,8 +14,14 @@ with the statistics of the global batch (`sync_batch_norm=True`): N replicas tra
 the same model as one. The training set (1437 images) is not a multiple of the batch
 size, so every epoch ends with a partial batch, which is split unevenly.
 
+With `--multi-worker` the same loop runs on `MultiWorkerMirroredStrategy` (launched by
+torchrun, or one process per worker with TF_CONFIG): `--replicas` is then the number of
+local replicas per worker, every worker reads the same global batches and keeps its
+replicas' chunks, the chief writes the checkpoints and every worker restores them.
+
 stdout: one line per epoch (`epoch 3/10 loss 0.1234 accuracy 0.9600`), then
-`test accuracy: 0.9xxx`. The progress bar (tqdm) goes to stderr.
+`test accuracy: 0.9xxx` (in a multi-worker job, the chief's). The progress bar (tqdm)
+goes to stderr.
 """
 
 import argparse
@@ -43,6 +51,10 @@ parser.add_argument("--checkpoint-dir", type=pathlib.Path, default=None,
                     help="save a checkpoint after every epoch; resume from it if present")
 parser.add_argument("--save-final", type=pathlib.Path, default=None,
                     help="write the final model state dict here")
+parser.add_argument("--multi-worker", action="store_true",
+                    help="MultiWorkerMirroredStrategy over torchrun's (or TF_CONFIG's) workers")
+parser.add_argument("--crash-after-epoch", type=int, default=None,
+                    help="(testing restarts) exit with an error after this epoch, once")
 args = parser.parse_args()
 if args.replicas < 1 or args.epochs < 0 or args.batch_size < 1:
     parser.error("--replicas and --batch-size must be >= 1, --epochs >= 0")
@@ -102,11 +114,19 @@ net = nn.Sequential(
     nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.SiLU(), nn.Linear(64, 10),
 )
 
-strategy = mirrored.MirroredStrategy([f"CPU:{i}" for i in range(args.replicas)])
+devices = [f"CPU:{i}" for i in range(args.replicas)]
+if args.multi_worker:  # workers and their ranks come from torchrun's variables or TF_CONFIG
+    strategy = mirrored.MultiWorkerMirroredStrategy(devices=devices)
+else:
+    strategy = mirrored.MirroredStrategy(devices)
+chief = strategy.extended.should_checkpoint if args.multi_worker else True
+if not chief:
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (the chief reports for the job)
 model = strategy.mirror(net, sync_batch_norm=True)  # one copy per replica, global-batch BN
 optimizer = strategy.mirror_optimizer(
     model, lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9, foreach=True))
-print(f"{args.replicas} replica{'s' if args.replicas > 1 else ''}, global batch {args.batch_size}, "
+print(f"{strategy.num_replicas_in_sync} replica{'s' if strategy.num_replicas_in_sync > 1 else ''}, "
+      f"global batch {args.batch_size}, "
       f"{len(y_train)} training examples ({len(y_train) % args.batch_size} in the last batch), "
       f"{len(y_test)} test examples")
 
@@ -115,7 +135,14 @@ print(f"{args.replicas} replica{'s' if args.replicas > 1 else ''}, global batch 
 
 start_epoch = 0
 checkpoint_path = args.checkpoint_dir / "checkpoint.pt" if args.checkpoint_dir else None
-if checkpoint_path is not None and checkpoint_path.exists():
+checkpoints = None
+if args.multi_worker and args.checkpoint_dir is not None:
+    # The chief writes atomically; every worker restores the newest epoch they agree on.
+    checkpoints = mirrored.CheckpointManager(strategy, args.checkpoint_dir)
+    start_epoch = checkpoints.restore({"model": model, "optimizer": optimizer}) or 0
+    if start_epoch:
+        print(f"resumed from epoch {start_epoch} ({checkpoints.path(start_epoch)})")
+elif checkpoint_path is not None and checkpoint_path.exists():
     checkpoint = torch.load(checkpoint_path, weights_only=True)
     model.load_state_dict(checkpoint["model"])  # into every replica's copy
     optimizer.load_state_dict(checkpoint["optimizer"])
@@ -160,7 +187,7 @@ for epoch in range(start_epoch, args.epochs):
     dataset = strategy.experimental_distribute_dataset(batches)  # yields PerReplica (x, y)
     losses, hits = [], []
     bar = tqdm(dataset, total=len(batches), desc=f"epoch {epoch + 1}/{args.epochs}",
-               file=sys.stderr, leave=False)
+               file=sys.stderr, leave=False, disable=not chief)
     for x, y in bar:
         per_example_loss, correct = strategy.run(train_step, args=(x, y))
         losses.append(strategy.experimental_local_results(per_example_loss))
@@ -169,9 +196,14 @@ for epoch in range(start_epoch, args.epochs):
     bar.close()
     print(f"epoch {epoch + 1}/{args.epochs} loss {epoch_mean(losses):.4f} "
           f"accuracy {epoch_mean(hits):.4f}", flush=True)
-    if checkpoint_path is not None:
+    if checkpoints is not None:
+        checkpoints.save(epoch + 1, {"model": model, "optimizer": optimizer})
+    elif checkpoint_path is not None:
         save_atomically({"epoch": epoch + 1, "model": model.state_dict(),
                          "optimizer": optimizer.state_dict()}, checkpoint_path)
+    if args.crash_after_epoch == epoch + 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT",
+                                                              "0") == "0":
+        sys.exit(f"crashing after epoch {epoch + 1} (--crash-after-epoch)")
 
 # -----------------------------------------------------------------------------
 # evaluation, also distributed (BatchNorm uses its running statistics)
@@ -182,6 +214,6 @@ test_hits = [strategy.experimental_local_results(strategy.run(eval_step, args=ba
              for batch in strategy.experimental_distribute_dataset(test_batches)]
 print(f"test accuracy: {epoch_mean(test_hits):.4f}")
 
-if args.save_final is not None:
+if args.save_final is not None and chief:
     save_atomically(model.state_dict(), args.save_final)
-strategy.close()
+strategy.close()  # a multi-worker strategy also leaves the job

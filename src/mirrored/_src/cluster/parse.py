@@ -114,9 +114,11 @@ def parse_torchrun(environ: Mapping[str, str]) -> ClusterSpec:
         raise ValueError("MASTER_ADDR must be the rendezvous host name or IP address; got "
                          f"{environ['MASTER_ADDR']!r}")
     port = parse_port(environ["MASTER_PORT"], where="MASTER_PORT")
+    attempt = (_env_int(environ, "TORCHELASTIC_RESTART_COUNT", low=0)
+               if "TORCHELASTIC_RESTART_COUNT" in environ else 0)
     return ClusterSpec(num_workers=world_size, worker_index=rank, master_addr=addr,
                        master_port=port, local_rank=local_rank,
-                       local_world_size=local_world_size, source="torchrun")
+                       local_world_size=local_world_size, source="torchrun", attempt=attempt)
 
 
 def _json_type(value: Any) -> str:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 _TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]
+_PrefixStore: Any = dist.PrefixStore  # type: ignore[attr-defined]
 
 __all__ = ["Job", "JobSpec", "PeerMonitor", "current_job", "destroy_process_group",
            "init_process_group"]
@@ -197,12 +198,14 @@ _lock = threading.Lock()
 
 def init_process_group(backend: str, rank: int, world_size: int, master_addr: str,
                        master_port: int, timeout_seconds: float = 120.0, *,
-                       failure_timeout_seconds: float = 10.0) -> Job:
+                       failure_timeout_seconds: float = 10.0, attempt: int = 0) -> Job:
     """Starts the default process group of a job and its peer monitor; idempotent.
 
     Every worker calls it with the same job; it returns when all have joined (or
     raises after ``timeout_seconds``). A second call with the same arguments
-    returns the running `Job`.
+    returns the running `Job`. The store keys of each ``attempt`` (a restart of the
+    job by torchrun) are prefixed apart: a restarted job shares torchrun's store with
+    the dead attempt's keys, and must not read them.
 
     Raises:
         RuntimeError: a process group is already running with other arguments, or
@@ -233,13 +236,15 @@ def init_process_group(backend: str, rank: int, world_size: int, master_addr: st
             raise RuntimeError("torch.distributed is already initialized outside mirrored; "
                                "destroy that process group first")
         timeout = datetime.timedelta(seconds=spec.timeout_seconds)
-        store = _TCPStore(spec.master_addr, spec.master_port, spec.world_size,
-                              is_master=spec.rank == 0, timeout=timeout,
-                              wait_for_workers=False)
+        prefix = f"mirrored/attempt-{attempt}/"
+        store = _PrefixStore(prefix, _TCPStore(
+            spec.master_addr, spec.master_port, spec.world_size, is_master=spec.rank == 0,
+            timeout=timeout, wait_for_workers=False))
         # A separate client for the heartbeat thread: a store call blocked there
         # never delays a collective's store traffic, nor the other way round.
-        beat_store = _TCPStore(spec.master_addr, spec.master_port, spec.world_size,
-                                   is_master=False, timeout=timeout, wait_for_workers=False)
+        beat_store = _PrefixStore(prefix, _TCPStore(
+            spec.master_addr, spec.master_port, spec.world_size, is_master=False,
+            timeout=timeout, wait_for_workers=False))
         monitor = PeerMonitor(beat_store, rank=spec.rank, world_size=spec.world_size,
                               failure_timeout=spec.failure_timeout_seconds)
         try:

@@ -105,6 +105,9 @@ class ClusterSpec:
             master's address). When given, they must hold ``num_workers`` addresses.
         source: where the spec came from: ``"TF_CONFIG"``, ``"torchrun"``, ``"local"``
             (nothing configured: one worker) or ``"explicit"``.
+        attempt: which (re)start of the job this is (torchrun's
+            ``TORCHELASTIC_RESTART_COUNT``): the rendezvous keys of each attempt are
+            kept apart, so a restarted job never reads a dead attempt's addresses.
 
     Attributes:
         task_type: ``"chief"`` or ``"worker"`` (derived from ``worker_index`` and ``jobs``).
@@ -129,6 +132,7 @@ class ClusterSpec:
     local_world_size: int = 1
     jobs: tuple[tuple[str, tuple[str, ...]], ...] = ()
     source: Source = "explicit"
+    attempt: int = 0
     task_type: Literal["chief", "worker"] = dataclasses.field(init=False)
     task_id: int = dataclasses.field(init=False)
 

@@ -31,11 +31,13 @@ class Cluster:
         vote: ``vote(has_data) -> any worker has data``, for distributed datasets.
         sync: overwrites tensors in place with worker 0's values (``strategy.mirror``
             starts every worker from the chief's parameters and buffers).
+        leave: leaves the job (``strategy.close()``: the process group ends).
     """
 
     resolver: Any
     vote: Callable[[bool], bool]
     sync: Callable[[Sequence[torch.Tensor]], None]
+    leave: Callable[[], None] = lambda: None
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

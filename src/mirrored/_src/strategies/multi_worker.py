@@ -85,7 +85,6 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     Example:
         >>> import torch, mirrored
-        >>> from mirrored._src.cluster import process_group
         >>> one_worker = mirrored.cluster_resolver.SimpleClusterResolver(
         ...     master_port=mirrored.testing.find_free_port())
         >>> strategy = mirrored.MultiWorkerMirroredStrategy(one_worker, devices=["CPU:0", "CPU:1"])
@@ -93,7 +92,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         (2, '/job:worker/replica:0/task:0/device:CPU:1')
         >>> strategy.reduce("SUM", torch.tensor(1.0))
         tensor(1.)
-        >>> strategy.close(); process_group.destroy_process_group()
+        >>> strategy.close()  # also leaves the job: the process group ends
     """
 
     def __init__(self, cluster_resolver: ClusterResolver | None = None,
@@ -112,7 +111,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         job = process_group.init_process_group(
             backend, spec.worker_index, spec.num_workers, spec.master_addr, spec.master_port,
             timeout_seconds=options.timeout_seconds or 120.0,
-            failure_timeout_seconds=failure_timeout_seconds)
+            failure_timeout_seconds=failure_timeout_seconds, attempt=spec.attempt)
         topology = Topology(devices=tuple(parsed), worker_index=spec.worker_index,
                             num_workers=spec.num_workers)
         explicit: CrossDeviceOps | None = None
@@ -132,9 +131,12 @@ class MultiWorkerMirroredStrategy(Strategy):
             raise ValueError(f"every worker of a MultiWorkerMirroredStrategy needs the same "
                              f"number of local replicas; got {listing}. Pass devices= with "
                              "as many devices on every worker")
-        cluster = Cluster(resolver=resolver, vote=comm.any, sync=comm.broadcast_from_chief)
-        super().__init__(topology=topology, runtime=ThreadRuntime(topology, type(self).__name__),
-                         communicators=selector, options=options, cluster=cluster)
+        cluster = Cluster(resolver=resolver, vote=comm.any, sync=comm.broadcast_from_chief,
+                          leave=process_group.destroy_process_group)
+        runtime = ThreadRuntime(topology, type(self).__name__,
+                                timeout_seconds=options.timeout_seconds)
+        super().__init__(topology=topology, runtime=runtime, communicators=selector,
+                         options=options, cluster=cluster)
 
     def __repr__(self) -> str:
         return (f"MultiWorkerMirroredStrategy(worker {self._parts.topology.worker_index} of "

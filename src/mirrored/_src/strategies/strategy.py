@@ -97,11 +97,14 @@ class Strategy:
 
     def close(self) -> None:
         """Stops the replica threads and empties the result pool (also done when the
-        strategy is garbage collected); `RuntimeError` inside ``run``."""
+        strategy is garbage collected); a multi-worker strategy also leaves its job.
+        `RuntimeError` inside ``run``."""
         if context.in_run():
             raise RuntimeError(f"{self._parts.name}.close cannot be called inside run (a "
                                "replica or a merge_fn); call it after run returns")
         self._parts.runtime.close()
+        if self._parts.cluster is not None:
+            self._parts.cluster.leave()
 
     def __repr__(self) -> str:
         names = ", ".join(repr(d.short_name) for d in self._parts.topology.devices)

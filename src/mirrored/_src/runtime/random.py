@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["RandomStreams"]
+__all__ = ["RandomStreams", "library_call"]
 
 _T = torch.Tensor
 RANDOM_FUNCTIONS: frozenset[Callable[..., Any]] = frozenset({
@@ -77,6 +77,24 @@ class RandomStreams:
             finally:
                 self._states[index] = generator.get_state()
                 generator.set_state(saved)
+
+
+def library_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Calls ``fn`` with the replica's random-stream mode lifted, if it is on top.
+
+    The mode sees every torch function *and* tensor attribute access (``t.shape``,
+    ``p.grad``); the library's own code (collectives, the optimizer step) draws no
+    random numbers, so it runs without that dispatch cost."""
+    if torch._C._len_torch_function_stack() == 0:
+        return fn(*args, **kwargs)
+    top = torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1)
+    if not isinstance(top, _ReplicaRandom):
+        return fn(*args, **kwargs)
+    mode = torch._C._pop_torch_function_stack()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        torch._C._push_on_torch_function_stack(mode)
 
 
 class _ReplicaRandom(TorchFunctionMode):

@@ -124,6 +124,7 @@ class ThreadRuntime:
         self._run_lock = threading.Lock()
         self._caller_device = torch.device("cpu")
         self._running = False
+        self._full_threads = torch.get_num_threads()
 
     @property
     def caller_device(self) -> torch.device:
@@ -140,6 +141,7 @@ class ThreadRuntime:
                     "threads (one mode object cannot be active on several threads); enter it "
                     "inside the step function instead")
         caller_state = capture()
+        self._full_threads = caller_state.num_threads
         if self._split_threads:
             # N replicas share the caller's intra-op budget: each runs with
             # get_num_threads() // N threads (at least 1), whichever thread runs it.
@@ -220,6 +222,11 @@ class ThreadRuntime:
         if self._n == 1:
             return _complete_alone(arrival)
         generation = getattr(self._local, "generation", 0)
+        if self._split_threads:
+            # Everyone else waits while one replica combines: it may use the caller's
+            # whole intra-op thread budget for that.
+            arrival = dataclasses.replace(arrival, combine=_with_threads(
+                self._full_threads, arrival.combine))
         return self._rendezvous.exchange(generation, index, arrival, timeout)
 
     def close(self) -> None:
@@ -243,6 +250,20 @@ class ThreadRuntime:
         failure = min(causes or failures, key=lambda f: f.replica_id)
         _add_note(failure.error, self._note(failure.replica_id))
         return failure.error
+
+
+def _with_threads(count: int, combine: Callable[[Sequence[P]], Sequence[R]]
+                  ) -> Callable[[Sequence[P]], Sequence[R]]:
+    def run(payloads: Sequence[P]) -> Sequence[R]:
+        previous = torch.get_num_threads()
+        if previous == count:
+            return combine(payloads)
+        torch.set_num_threads(count)
+        try:
+            return combine(payloads)
+        finally:
+            torch.set_num_threads(previous)
+    return run
 
 
 def _after_fork_in_child() -> None:

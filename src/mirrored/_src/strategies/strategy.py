@@ -38,16 +38,11 @@ _ASSEMBLY_ONLY = frozenset({"__init__", "__repr__", "__doc__", "__module__", "__
 
 class Strategy:
     """Synchronous data parallelism over a `Topology` of replicas. Construct
-    `MirroredStrategy`, `OneDeviceStrategy` or use `get_strategy()`.
-
-    Args:
-        topology: where the replicas are.
-        runtime: runs the replicas and lets them meet.
-        communicators: moves data between replicas (per communication options).
-        options: default options of every collective.
-        raw_single_values: `experimental_distribute_values_from_function` returns the
-            raw value, not a `PerReplica` (TF's `OneDeviceStrategy` and default strategy).
-        cluster: the multi-worker parts (resolver, dataset vote, chief sync), if any.
+    `MirroredStrategy`, `OneDeviceStrategy`, `MultiWorkerMirroredStrategy` or use
+    `get_strategy()`; they assemble the parts: ``topology`` (where the replicas are),
+    ``runtime`` (runs and meets them), ``communicators`` (move data), ``options``
+    (collective defaults), ``raw_single_values`` (TF's one-device rule for
+    `experimental_distribute_values_from_function`), ``cluster`` (multi-worker).
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -96,9 +91,8 @@ class Strategy:
         return context.enter_scope(self)
 
     def close(self) -> None:
-        """Stops the replica threads and empties the result pool (also done when the
-        strategy is garbage collected); a multi-worker strategy also leaves its job.
-        `RuntimeError` inside ``run``."""
+        """Stops the replica threads, empties the result pool, leaves the job (multi-worker);
+        also on garbage collection. `RuntimeError` inside ``run``."""
         if context.in_run():
             raise RuntimeError(f"{self._parts.name}.close cannot be called inside run (a "
                                "replica or a merge_fn); call it after run returns")

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..runtime.random import library_call
 from .module import MirroredModule, replica_index, replica_of
 
 if TYPE_CHECKING:
@@ -113,6 +114,15 @@ class MirroredOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], Any] | None = None, *,
              clip_grad_norm: float | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # The library's own work: without the replica's random-stream mode dispatch.
+        library_call(self._step, clip_grad_norm)
+        return loss
+
+    def _step(self, clip_grad_norm: float | None) -> None:
         """All-reduces the gradients (SUM) and steps this replica's optimizer.
 
         Call it in every replica, inside ``strategy.run``, after ``backward()``.
@@ -140,17 +150,13 @@ class MirroredOptimizer(torch.optim.Optimizer):
                 or not clip_grad_norm > 0 or math.isinf(clip_grad_norm)):
             raise ValueError(f"clip_grad_norm must be a positive finite number or None; got "
                              f"{clip_grad_norm!r}")
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
         params = self._params[r]
         optimizer = self._optimizers[r]
         if self._strategy.num_replicas_in_sync == 1:  # the gradients are the global ones
             if clip_grad_norm is not None:
                 nn.utils.clip_grad_norm_(params, clip_grad_norm)
             optimizer.step()
-            return loss
+            return
         grads = [p.grad for p in params]
         missing = [k for k, g in enumerate(grads) if g is None]
         flags = self._ones[r]
@@ -181,13 +187,12 @@ class MirroredOptimizer(torch.optim.Optimizer):
         if clip_grad_norm is not None:
             nn.utils.clip_grad_norm_(params, clip_grad_norm)
         optimizer.step()
-        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Resets gradients: this replica's inside ``run``, every replica's outside."""
         r = replica_index(self._strategy, "MirroredOptimizer.zero_grad", required=False)
         for optimizer in self._optimizers if r is None else (self._optimizers[r],):
-            optimizer.zero_grad(set_to_none)
+            library_call(optimizer.zero_grad, set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
         """Replica 0's optimizer's state dict (interchangeable with a plain optimizer's)."""

@@ -77,6 +77,11 @@ class MultiWorkerMirroredStrategy(Strategy):
         devices: this worker's replica devices (default: the GPU of ``LOCAL_RANK``,
             else one CPU replica). Every worker must have as many.
         failure_timeout_seconds: a peer silent for this long is dead (default 10 s).
+        check_collectives: before each cross-worker collective, compare every worker's
+            call (one small header collective; about +40 % on a 1 MiB all-reduce over
+            loopback Gloo). ``False`` saves it, but then workers that make different
+            calls are not told apart: Gloo aborts the process on a size mismatch, and
+            equal-sized different calls mix data.
 
     Raises:
         ValueError: workers with different local replica counts (every worker raises,
@@ -98,7 +103,7 @@ class MultiWorkerMirroredStrategy(Strategy):
     def __init__(self, cluster_resolver: ClusterResolver | None = None,
                  communication_options: CommunicationOptions | None = None,
                  devices: Sequence[str | torch.device] | None = None, *,
-                 failure_timeout_seconds: float = 10.0) -> None:
+                 failure_timeout_seconds: float = 10.0, check_collectives: bool = True) -> None:
         resolver = default_cluster_resolver() if cluster_resolver is None else cluster_resolver
         if not isinstance(resolver, ClusterResolver):
             raise TypeError("cluster_resolver must be a mirrored.cluster_resolver."
@@ -120,7 +125,7 @@ class MultiWorkerMirroredStrategy(Strategy):
 
         def wrap(ops: CrossDeviceOps) -> DistributedCommunicator:
             return DistributedCommunicator(ops, topology, timeout_seconds=options.timeout_seconds,
-                                           job=job)
+                                           job=job, check_calls=check_collectives)
 
         selector = CommunicatorSelector(topology.devices, explicit, options, wrap=wrap)
         comm = selector.default

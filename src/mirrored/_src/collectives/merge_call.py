@@ -12,6 +12,7 @@ import torch
 
 from .. import context, pytree
 from ..runtime.contract import Arrival, CallSpec
+from ..runtime.random import library_call
 from ..values import DistributedValues, regroup, select_replica
 from .call import refuse_in_merge_fn
 from .parts import Parts
@@ -38,8 +39,10 @@ def merge_call(parts: Parts, index: int, merge_fn: Callable[..., Any], args: Seq
         merged_args, merged_kwargs = regroup([(p[1], p[2]) for p in payloads],
                                              topology.device_names)
         # merge_fn sees the caller's device, whichever replica's thread runs it.
+        # merge_fn is cross-replica code: it draws random numbers from the caller's
+        # generator (every replica waits meanwhile), not from a replica's stream.
         with context.in_merge_fn(strategy), torch.device(parts.runtime.caller_device):
-            result = payloads[0][0](strategy, *merged_args, **merged_kwargs)
+            result = library_call(payloads[0][0], strategy, *merged_args, **merged_kwargs)
         leaves, spec = pytree.flatten(result)
         for k, leaf in enumerate(leaves):
             if isinstance(leaf, DistributedValues) and len(leaf.values) != n:

@@ -34,9 +34,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["Executor", "ReplicaFailure"]
+__all__ = ["Executor", "ReplicaAbandoned", "ReplicaFailure"]
 
 _STOP = object()
+SLICE = 0.1  # the longest untimed wait on the caller's thread between interrupt checks
 
 
 class ReplicaFailure:
@@ -112,9 +113,13 @@ class _Task:
             self._signal_locked()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Waits until every replica finished (``True``), a signal, or the timeout."""
+        """Waits until every replica finished (``True``), a signal, or the timeout.
+
+        An untimed wait sleeps in slices of `SLICE` seconds, so that an interrupt that
+        only sets Python's signal flag (``_thread.interrupt_main()``) is seen promptly."""
         if timeout is None:
-            self._done.acquire()
+            while not self._done.acquire(timeout=SLICE):
+                pass
         else:
             self._done.acquire(timeout=max(timeout, 0.0))
         return self.rearm()
@@ -138,6 +143,14 @@ class _Task:
                     self._finish_locked(i)
                 elif owner == "caller":
                     self._finish_locked(i)
+
+    def claimed_by_worker(self, index: int) -> bool:
+        with self._lock:
+            return self._owner[index] == "worker"
+
+    def fail(self, index: int, error: BaseException) -> None:
+        with self._lock:
+            self.failures.append(ReplicaFailure(index, error))
 
     def unfinished(self) -> list[int]:
         with self._lock:
@@ -292,8 +305,14 @@ class Executor:
 
     def _abandon(self, task: _Task, straggler_wait: float) -> None:
         task.call = None  # replicas not started yet never will be
+        running = [i for i in task.unfinished() if task.claimed_by_worker(i)]
         task.settle_caller()
         self._straggler_wait = straggler_wait
+        for i in running:  # run must not look successful while they are still running
+            task.fail(i, ReplicaAbandoned(
+                f"{self._labels[i]} of {self._name} was still running its function when run "
+                "gave up on it (a collective timed out, or run was interrupted); its outcome "
+                "will be dropped"))
 
     def _wait_for_stragglers(self) -> None:
         busy = [w for w in self._workers if w.busy]
@@ -326,6 +345,10 @@ class Executor:
         for worker in workers:
             if worker.thread is not current and not worker.busy:
                 worker.thread.join(timeout)
+
+
+class ReplicaAbandoned(RuntimeError):
+    """A replica that run gave up on (a straggler)."""
 
 
 class _Interrupted(Exception):

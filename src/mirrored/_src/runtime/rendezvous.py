@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import _thread
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -26,6 +27,8 @@ from ..errors import CollectiveMismatchError, CollectiveTimeoutError, ReplicaAbo
 from .contract import Arrival, CollectiveFailure, Failure, Raise, describe_call, mismatch_message
 
 __all__ = ["Rendezvous"]
+
+SLICE = 0.1  # the longest untimed wait between checks for a pending interrupt
 
 P = TypeVar("P")
 R = TypeVar("R")
@@ -171,9 +174,17 @@ class Rendezvous:
 
     def _wait(self, slot: _Slot, timeout: float | None) -> None:
         try:
-            woken = slot.wake.acquire(timeout=-1 if timeout is None else timeout)
-            if woken:
+            if timeout is None:  # in slices, so that _thread.interrupt_main() is seen
+                while not slot.wake.acquire(timeout=SLICE):
+                    pass
                 return
+            deadline = time.monotonic() + timeout
+            while True:  # in slices too
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                if slot.wake.acquire(timeout=min(SLICE, left)):
+                    return
             with self._lock:
                 if slot.done:
                     slot.wake.acquire(False)
@@ -191,7 +202,8 @@ class Rendezvous:
                         self._on_timeout(timeout)
                     slot.wake.acquire(False)
                     return
-            slot.wake.acquire()  # every replica arrived: the completer delivers soon
+            while not slot.wake.acquire(timeout=SLICE):  # every replica arrived: the
+                pass  # completer delivers soon (slices: interrupt_main is seen promptly)
         except BaseException:  # an interrupt: leave without waiting for anything
             with self._lock:
                 if not slot.done:

@@ -27,8 +27,8 @@ from ..devices import current_device
 from ..errors import ReplicaAbortedError
 from ..topology import Topology
 from .contract import Arrival, CollectiveFailure
-from .executor import Executor, ReplicaFailure
-from .random import RandomStreams
+from .executor import Executor, ReplicaAbandoned, ReplicaFailure
+from .random import RandomStreams, drop_stale_modes
 from .rendezvous import Rendezvous
 from .thread_state import capture, refused_modes
 
@@ -133,6 +133,7 @@ class ThreadRuntime:
     def run(self, call: Callable[[int], Any]) -> list[Any]:
         if self._n == 1:
             return [self._run_one(call)]
+        drop_stale_modes()
         if self._n > 1:
             modes = refused_modes()
             if modes:
@@ -191,6 +192,10 @@ class ThreadRuntime:
         finally:
             self._running = False
             self._run_lock.release()
+            # Undo what an interrupt may have left half-entered on this thread.
+            drop_stale_modes()
+            if torch.get_num_threads() != self._full_threads:
+                torch.set_num_threads(self._full_threads)
         if failures:
             raise self._failure_error(failures)
         return results
@@ -212,6 +217,12 @@ class ThreadRuntime:
     def _acquire_run_lock(self) -> None:
         if self._run_lock.acquire(timeout=MISUSE_SECONDS):
             return
+        if not self._running:
+            # Held, but no run in progress: an interrupt landed right after an earlier
+            # run acquired it. Take it over.
+            self._run_lock.release()
+            if self._run_lock.acquire(timeout=MISUSE_SECONDS):
+                return
         raise RuntimeError(
             f"{self._name}.run waited {MISUSE_SECONDS:g} s for another run of the same strategy "
             "to finish. If this thread was started inside a step function, that run waits "
@@ -245,8 +256,9 @@ class ThreadRuntime:
         # An interrupt first; then the root cause, not a replica released because of
         # it; ties by replica id.
         interrupts = [f for f in failures if not isinstance(f.error, Exception)]
-        causes = interrupts or [f for f in failures
-                                if not isinstance(f.error, ReplicaAbortedError)]
+        causes = interrupts or [f for f in failures if not isinstance(
+            f.error, ReplicaAbortedError | ReplicaAbandoned)] or [
+            f for f in failures if not isinstance(f.error, ReplicaAbortedError)]
         failure = min(causes or failures, key=lambda f: f.replica_id)
         _add_note(failure.error, self._note(failure.replica_id))
         return failure.error

@@ -4,6 +4,7 @@ int64 means, thread settings, misuse from foreign threads, fork, random streams,
 and the messages for odd inputs. Everything through the public API."""
 
 import collections
+import contextlib
 import gc
 import os
 import random
@@ -340,6 +341,7 @@ def test_run_close_and_collectives_from_a_thread_started_inside_fn(two):
             in_thread("close", two.close)
             in_thread("all_reduce", lambda: mirrored.get_replica_context().all_reduce(
                 "SUM", torch.ones(1)))
+            in_thread("loss", lambda: mirrored.compute_average_loss(torch.ones(3)))
         return None
 
     start = time.monotonic()
@@ -348,6 +350,7 @@ def test_run_close_and_collectives_from_a_thread_started_inside_fn(two):
     assert "deadlock" in str(errors["run"])
     assert "close was called from a thread that is not a replica" in str(errors["close"])
     assert "would return the value unreduced" in str(errors["all_reduce"])
+    assert "compute_average_loss of the default strategy" in str(errors["loss"])
     assert_exact(two)
 
 
@@ -422,3 +425,73 @@ def test_messages_for_odd_inputs(two):
     with pytest.raises(RuntimeError, match=r"called from outside strategy.run \(a replica "
                                            r"context kept after its run returned"):
         kept.all_reduce("SUM", torch.ones(1))
+
+
+# Review findings ---------------------------------------------------------------------
+def test_a_replica_given_up_on_fails_the_run_even_if_its_partner_caught_the_timeout():
+    strategy = mirrored.MirroredStrategy(
+        ["CPU:0", "CPU:1"], communication_options=CommunicationOptions(timeout_seconds=0.3))
+    done = threading.Event()
+
+    def step():
+        ctx = mirrored.get_replica_context()
+        if ctx.replica_id_in_sync_group == 1:
+            done.wait(1.5)
+            return None
+        with contextlib.suppress(mirrored.CollectiveTimeoutError):  # user code swallows it
+            ctx.all_reduce("SUM", torch.ones(1))
+        return None
+
+    with pytest.raises(RuntimeError, match=r"replica 1 \(CPU:1\) of MirroredStrategy was "
+                                           r"still running its function when run gave up"):
+        strategy.run(step)
+    done.set()
+
+
+def test_interrupt_main_reaches_a_caller_waiting_for_a_busy_replica(two):
+    import _thread
+
+    release = threading.Event()
+
+    def busy():
+        if rid() == 1:
+            release.wait(5)
+        return exact_sum_step()
+
+    threading.Timer(0.2, _thread.interrupt_main).start()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        two.run(busy)
+    assert time.monotonic() - start < 1.0
+    release.set()
+    time.sleep(0.2)
+    run_after_stragglers(two, exact_sum_step)
+
+
+def test_random_streams_cover_attention_merge_fn_and_the_input_pipeline():
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    layer = strategy.mirror(torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.3,
+                                                             batch_first=True))
+    x = torch.randn(1, 6, 8)
+
+    def step(batch):
+        if rid() == 0:
+            time.sleep(random.random() * 0.003)
+        with torch.no_grad():
+            merged = mirrored.get_replica_context().merge_call(lambda s: torch.rand(2))
+            return layer(x), merged, torch.nn.functional.dropout2d(batch, 0.5)
+
+    def source():
+        for _ in range(3):
+            yield torch.rand(4, 3, 2, 2)  # a random "augmentation" in the input pipeline
+
+    def once():
+        torch.manual_seed(0)
+        return [strategy.experimental_local_results(strategy.run(step, args=(b,)))
+                for b in strategy.experimental_distribute_dataset(source())]
+
+    first, second = once(), once()
+    flat = [t for steps in (first, second) for replicas in steps for out in replicas
+            for t in out]
+    half = len(flat) // 2
+    assert all(torch.equal(a, b) for a, b in zip(flat[:half], flat[half:], strict=True))

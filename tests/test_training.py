@@ -11,8 +11,7 @@ import torch
 from torch import nn
 
 import mirrored
-from mirrored._src.training.module import MirroredModule, mirror
-from mirrored._src.training.optimizer import mirror_optimizer
+from mirrored import MirroredModule
 
 
 @pytest.fixture
@@ -35,7 +34,7 @@ def sgd(params: Iterator[nn.Parameter]) -> torch.optim.Optimizer:
 def test_copies_equal_at_creation_and_each_replica_calls_its_own(
         two: mirrored.MirroredStrategy) -> None:
     original = linear()
-    model = mirror(two, original)
+    model = two.mirror(original)
     assert model.replicas[0] is original
     assert model.replicas[1] is not original
     for a, b in zip(model.replicas[0].parameters(), model.replicas[1].parameters(),
@@ -58,7 +57,7 @@ def test_copies_equal_at_creation_and_each_replica_calls_its_own(
 
 @pytest.mark.timeout(30)
 def test_train_and_eval_apply_to_every_copy(two: mirrored.MirroredStrategy) -> None:
-    model = mirror(two, nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
+    model = two.mirror(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
     assert model.eval() is model
     assert not model.training
     assert [c.training for c in model.replicas] == [False, False]
@@ -76,8 +75,8 @@ def test_default_batch_norm_averages_running_stats(two: mirrored.MirroredStrateg
         local = nn.BatchNorm1d(2).double()
         local(chunk)
         expected[k] = local.state_dict()
-    model = mirror(two, bn)
-    optimizer = mirror_optimizer(two, model, sgd)
+    model = two.mirror(bn)
+    optimizer = two.mirror_optimizer(model, sgd)
     outputs = []
 
     def step(x: torch.Tensor) -> None:
@@ -108,7 +107,7 @@ def test_sync_batch_norm_gradients_equal_single_device(two: mirrored.MirroredStr
     with torch.no_grad():
         reference.weight.uniform_()
         reference.bias.uniform_()
-    model = mirror(two, nn.BatchNorm1d(3).double(), sync_batch_norm=True)
+    model = two.mirror(nn.BatchNorm1d(3).double(), sync_batch_norm=True)
     model.load_state_dict(reference.state_dict())
     xr = x.clone().requires_grad_()
     (reference(xr) * w).sum().backward()
@@ -145,8 +144,8 @@ def test_none_gradients_count_as_zeros(two: mirrored.MirroredStrategy) -> None:
     ref_optimizer = sgd(reference.parameters())
     ref_optimizer.step()
 
-    model = mirror(two, net)
-    optimizer = mirror_optimizer(two, model, sgd)
+    model = two.mirror(net)
+    optimizer = two.mirror_optimizer(model, sgd)
 
     def step(x: torch.Tensor) -> None:
         m = model.module
@@ -172,8 +171,8 @@ def test_state_dicts_interchange_with_plain_torch(two: mirrored.MirroredStrategy
     plain(x).sum().backward()
     plain_optimizer.step()
 
-    model = mirror(two, nn.Linear(2, 1).double())
-    optimizer = mirror_optimizer(two, model, lambda p: torch.optim.Adam(p, lr=0.1))
+    model = two.mirror(nn.Linear(2, 1).double())
+    optimizer = two.mirror_optimizer(model, lambda p: torch.optim.Adam(p, lr=0.1))
     model.load_state_dict(plain.state_dict())
     optimizer.load_state_dict(plain_optimizer.state_dict())
     for replica, inner in zip(model.replicas, optimizer.optimizers, strict=True):
@@ -208,7 +207,7 @@ def test_state_dicts_interchange_with_plain_torch(two: mirrored.MirroredStrategy
 @pytest.mark.timeout(30)
 def test_module_refuses_threads_that_are_not_its_replicas(
         two: mirrored.MirroredStrategy) -> None:
-    model = mirror(two, linear())
+    model = two.mirror(linear())
     x = torch.zeros(1, 2, dtype=torch.float64)
     errors: list[BaseException] = []
 
@@ -231,33 +230,33 @@ def test_module_refuses_threads_that_are_not_its_replicas(
         with pytest.raises(RuntimeError, match="inside the run of another strategy"):
             other.run(lambda: model(x))
         with pytest.raises(ValueError, match="mirrored by"):
-            mirror_optimizer(other, model, sgd)
+            other.mirror_optimizer(model, sgd)
     finally:
         other.close()
 
 
 @pytest.mark.timeout(30)
 def test_misuse_errors(two: mirrored.MirroredStrategy) -> None:
-    model = mirror(two, linear())
-    optimizer = mirror_optimizer(two, model, sgd)
+    model = two.mirror(linear())
+    optimizer = two.mirror_optimizer(model, sgd)
     with pytest.raises(RuntimeError, match=r"MirroredOptimizer.step must be called inside "
                                            r"strategy.run"):
         optimizer.step()
     with two.scope(), pytest.raises(RuntimeError, match="in cross-replica context"):
         optimizer.step()
     with pytest.raises(TypeError, match=r"takes a torch\.nn\.Module; got str"):
-        mirror(two, "not a module")  # type: ignore[arg-type]
+        two.mirror("not a module")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="takes a MirroredModule"):
-        mirror_optimizer(two, linear(), sgd)  # type: ignore[arg-type]
+        two.mirror_optimizer(linear(), sgd)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"must return a torch\.optim\.Optimizer; got list"):
-        mirror_optimizer(two, model, list)  # type: ignore[arg-type]
+        two.mirror_optimizer(model, list)  # type: ignore[arg-type]
     stranger = linear()
     with pytest.raises(ValueError, match="parameters of another module"):
-        mirror_optimizer(two, model, lambda p: sgd(stranger.parameters()))
+        two.mirror_optimizer(model, lambda p: sgd(stranger.parameters()))
     with pytest.raises(RuntimeError, match=r"call it outside strategy\.run"):
         two.run(lambda: model.load_state_dict(model.state_dict()))
     with pytest.raises(RuntimeError, match=r"outside strategy\.run"):
-        two.run(lambda: mirror(two, linear()))
+        two.run(lambda: two.mirror(linear()))
     with pytest.raises(NotImplementedError, match="create them all in make_optimizer"):
         optimizer.add_param_group({"params": []})
 
@@ -268,3 +267,38 @@ def test_misuse_errors(two: mirrored.MirroredStrategy) -> None:
         two.run(bad_clip)
     assert isinstance(model, MirroredModule)
     assert "2 copies of Linear" in repr(model)
+
+
+def test_step_hooks_run_and_sparse_gradients_are_refused(two: mirrored.MirroredStrategy) -> None:
+    model = two.mirror(linear())
+    optimizer = two.mirror_optimizer(model, sgd)
+    calls: list[int] = []
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: calls.append(1))
+
+    def step() -> None:
+        model(torch.ones(3, 2, dtype=torch.float64)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    two.run(step)
+    assert calls == [1, 1]  # once per replica, as step itself
+    embedding = two.mirror(nn.Embedding(5, 2, sparse=True))
+    sparse = two.mirror_optimizer(embedding, sgd)
+
+    def sparse_step() -> None:
+        embedding(torch.tensor([1, 2])).sum().backward()
+        sparse.step()
+
+    with pytest.raises(TypeError, match=r"a parameter has a sparse gradient"):
+        two.run(sparse_step)
+
+
+def test_a_checkpoint_of_an_earlier_step_replaces_later_ones(tmp_path) -> None:
+    strategy = mirrored.MirroredStrategy(["CPU:0"])
+    model = strategy.mirror(linear())
+    manager = mirrored.CheckpointManager(strategy, tmp_path)
+    for step in (100, 200):
+        manager.save(step, {"model": model})
+    path = manager.save(1, {"model": model})  # a new run in a reused directory
+    assert path.exists() and manager.steps() == [1]
+    assert manager.restore({"model": model}) == 1

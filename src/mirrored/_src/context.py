@@ -254,6 +254,23 @@ def run_in_flight(strategy: StrategyLike | None = None) -> bool:
     return bool(_in_flight) if strategy is None else id(strategy) in _in_flight
 
 
+def refuse_default_context_in_foreign_thread(what: str) -> None:
+    """Refuses ``what`` on the default replica context from a thread that is not a
+    replica while some ``strategy.run`` is in flight: such a thread was most likely
+    started inside a step function, where the default context would silently give
+    one-replica answers (an unreduced all-reduce, a local average).
+
+    Raises:
+        RuntimeError: naming ``what`` and what to do instead.
+    """
+    if _in_flight and not in_run():
+        raise RuntimeError(
+            f"{what} of the default strategy was called from a thread that is not a replica "
+            "while a strategy.run is in flight (e.g. a thread started inside the step "
+            "function), where it would return the value unreduced; call it from the "
+            "replica function's own thread")
+
+
 def in_run() -> bool:
     """Whether this thread runs a replica or a ``merge_fn`` of some ``strategy.run``."""
     top = _top()

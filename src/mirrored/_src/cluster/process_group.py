@@ -13,12 +13,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import gc
 import threading
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ..errors import CollectiveTimeoutError
 
 _TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]
 _PrefixStore: Any = dist.PrefixStore  # type: ignore[attr-defined]
@@ -177,6 +180,10 @@ class PeerMonitor:
             with contextlib.suppress(Exception):  # the store is gone already
                 self._store.set(_key(self.rank), f"exit {self.started}")
 
+    def release(self) -> None:
+        """Drops the store client (after `stop`), so its connection closes now."""
+        self._store = None
+
 
 class Job:
     """A started process group and its peer monitor (see `init_process_group`)."""
@@ -185,6 +192,15 @@ class Job:
         self.spec = spec
         self.store = store
         self.monitor = monitor
+        # Which phase of the program every worker is in: odd inside the n-th run of the
+        # strategy, even between runs. Part of every call's fingerprint, so a worker
+        # that skips a collective is caught at the next phase even when its calls look
+        # alike (collective #k of one worker never meets #k of a later run).
+        self.phase = 0
+
+    def next_phase(self) -> None:
+        """A ``run`` starts or ends."""
+        self.phase += 1
 
     def __repr__(self) -> str:
         s = self.spec
@@ -194,6 +210,8 @@ class Job:
 
 _current: Job | None = None
 _lock = threading.Lock()
+_servers: dict[tuple[str, int], Any] = {}  # worker 0's stores, kept for the next job
+_generations: dict[tuple[str, int], int] = {}
 
 
 def init_process_group(backend: str, rank: int, world_size: int, master_addr: str,
@@ -236,10 +254,25 @@ def init_process_group(backend: str, rank: int, world_size: int, master_addr: st
             raise RuntimeError("torch.distributed is already initialized outside mirrored; "
                                "destroy that process group first")
         timeout = datetime.timedelta(seconds=spec.timeout_seconds)
-        prefix = f"mirrored/attempt-{attempt}/"
-        store = _PrefixStore(prefix, _TCPStore(
-            spec.master_addr, spec.master_port, spec.world_size, is_master=spec.rank == 0,
-            timeout=timeout, wait_for_workers=False))
+        # Jobs started one after the other by the same processes (a strategy closed,
+        # then a new one) share worker 0's store, which stays up: re-binding its port
+        # would race with peers still connected to the old one. Each job of the
+        # sequence has keys of its own, as each restart attempt has.
+        where = (spec.master_addr, spec.master_port)
+        generation = _generations.get(where, 0)
+        _generations[where] = generation + 1
+        prefix = f"mirrored/attempt-{attempt}/job-{generation}/"
+        if spec.rank == 0:
+            server = _servers.get(where)
+            if server is None:
+                server = _servers[where] = _TCPStore(
+                    spec.master_addr, spec.master_port, spec.world_size, is_master=True,
+                    timeout=timeout, wait_for_workers=False)
+            root = server
+        else:
+            root = _TCPStore(spec.master_addr, spec.master_port, spec.world_size,
+                             is_master=False, timeout=timeout, wait_for_workers=False)
+        store = _PrefixStore(prefix, root)
         # A separate client for the heartbeat thread: a store call blocked there
         # never delays a collective's store traffic, nor the other way round.
         beat_store = _PrefixStore(prefix, _TCPStore(
@@ -250,8 +283,14 @@ def init_process_group(backend: str, rank: int, world_size: int, master_addr: st
         try:
             dist.init_process_group(spec.backend, store=store, rank=spec.rank,
                                     world_size=spec.world_size, timeout=timeout)
-        except BaseException:
+        except BaseException as error:
             monitor.stop(announce=False)
+            if isinstance(error, Exception) and "timeout" in str(error).lower():
+                raise CollectiveTimeoutError(
+                    f"worker {spec.rank} of {spec.world_size}: not every worker joined the job "
+                    f"within {spec.timeout_seconds:g} s (rendezvous at {spec.master_addr}:"
+                    f"{spec.master_port}); start every worker, or check MASTER_ADDR/"
+                    f"MASTER_PORT or TF_CONFIG") from error
             raise
         monitor.arm()
         _current = Job(spec, store, monitor)
@@ -274,3 +313,8 @@ def destroy_process_group() -> None:
         job.monitor.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
+        job.store = None  # the store (and, on worker 0, its listening socket) goes with it
+        job.monitor.release()
+    # Exceptions of failed collectives (kept in reference cycles through their
+    # tracebacks) may still hold the process group: free it now.
+    gc.collect()

@@ -32,12 +32,16 @@ class Cluster:
         sync: overwrites tensors in place with worker 0's values (``strategy.mirror``
             starts every worker from the chief's parameters and buffers).
         leave: leaves the job (``strategy.close()``: the process group ends).
+        next_phase: called when a ``run`` starts and ends, so every worker's calls
+            carry the phase of the program they belong to (a skipped collective is
+            caught even when the calls look alike).
     """
 
     resolver: Any
     vote: Callable[[bool], bool]
     sync: Callable[[Sequence[torch.Tensor]], None]
     leave: Callable[[], None] = lambda: None
+    next_phase: Callable[[], None] = lambda: None
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -38,9 +38,10 @@ _DIST_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MIN: dist.ReduceOp.MIN,
 _HOST = Device("CPU", 0)
 
 
-def _fingerprint(seq: int, call: str) -> int:
-    """A 56-bit hash of ``seq`` and ``call`` (stable across processes, unlike ``hash``)."""
-    digest = hashlib.blake2b(f"{seq}|{call}".encode(), digest_size=7).digest()
+def _fingerprint(seq: int, call: str, phase: int = 0) -> int:
+    """A 56-bit hash of ``seq``, the program ``phase`` (`Job.phase`) and ``call``
+    (stable across processes, unlike ``hash``)."""
+    digest = hashlib.blake2b(f"{seq}|{phase}|{call}".encode(), digest_size=7).digest()
     return int.from_bytes(digest, "little")
 
 
@@ -181,7 +182,7 @@ class DistributedCommunicator:
         """
         call = f"agree({what})"
         seq = self._enter(call)
-        fp = _fingerprint(seq, call)  # always checked: a two-int header on every worker
+        fp = _fingerprint(seq, call, self._phase())  # always checked: a two-int header
         header = torch.tensor([fp, int(value)], dtype=torch.int64,
                               device=self._wire.torch_device)
         rows = [torch.empty_like(header) for _ in range(self._topology.num_workers)]
@@ -233,6 +234,9 @@ class DistributedCommunicator:
             return [tensor, *self._local.broadcast_to_devices(tensor, devices[1:])]
         return self._local.broadcast_to_devices(tensor, devices)
 
+    def _phase(self) -> int:
+        return self._job.phase if self._job is not None else 0
+
     def _enter(self, call: str) -> int:
         if self._broken is not None:
             raise RuntimeError(f"this communicator is unusable after an earlier failure "
@@ -252,7 +256,7 @@ class DistributedCommunicator:
         Returns:
             One row per worker.
         """
-        fp = _fingerprint(seq, call) if self._check else 0
+        fp = _fingerprint(seq, call, self._phase()) if self._check else 0
         header = torch.tensor([fp, *extra], dtype=torch.int64, device=self._wire.torch_device)
         rows = [torch.empty_like(header) for _ in range(self._topology.num_workers)]
         self._wait([dist.all_gather(rows, header, group=self._group, async_op=True)], seq, call)

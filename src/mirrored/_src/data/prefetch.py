@@ -23,6 +23,8 @@ import weakref
 from collections.abc import Generator
 from typing import Any
 
+from ..runtime.random import RandomStreams
+
 __all__ = ["InlineSteps", "Prefetcher"]
 
 THREAD_NAME = "mirrored-input-prefetch"
@@ -80,14 +82,20 @@ class _Channel:
             return self.producer_waiting
 
 
-def _produce(steps: Generator[Any, None, None], channel: _Channel) -> None:
+def _produce(steps: Generator[Any, None, None], channel: _Channel,
+             streams: RandomStreams) -> None:
     try:
-        try:
-            for step in steps:
-                if not channel.put(step):
-                    return
-        finally:
-            steps.close()
+        # The source's random draws (augmentations, shuffles) come from a stream of
+        # its own, seeded on the consumer's thread: drawing from torch's shared CPU
+        # generator here would race with the replicas' seeds and make seeded runs
+        # differ with thread timing.
+        with streams.mode(0):
+            try:
+                for step in steps:
+                    if not channel.put(step):
+                        return
+            finally:
+                steps.close()
     except BaseException as error:  # every failure must reach the consumer
         channel.put(_Failure(error))
         return
@@ -115,7 +123,10 @@ class Prefetcher:
         channel = _Channel(depth)
         self._channel = channel
         self._done = False
-        self._thread = threading.Thread(target=_produce, args=(steps, channel),
+        streams = RandomStreams([0])
+        streams.start_run()
+        streams.generator(0)  # seeded now, from the consumer's generator
+        self._thread = threading.Thread(target=_produce, args=(steps, channel, streams),
                                         name=THREAD_NAME, daemon=True)
         self._thread.start()
         self._finalizer = weakref.finalize(self, channel.close)

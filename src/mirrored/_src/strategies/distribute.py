@@ -14,8 +14,8 @@ from ..collectives.cross_replica import check_components
 from ..collectives.parts import Parts
 from ..values import DistributedValues, PerReplica, ValueContext, regroup, select_replica
 
-__all__ = ["distribute_values", "local_results", "require_cross_replica", "split_args",
-           "sync_from_chief", "vote"]
+__all__ = ["distribute_values", "local_results", "require_cross_replica", "run_finished",
+           "run_started", "split_args", "sync_from_chief", "vote"]
 
 
 def require_cross_replica(parts: Parts, method: str) -> None:
@@ -28,6 +28,21 @@ def require_cross_replica(parts: Parts, method: str) -> None:
         raise RuntimeError(
             f"{parts.name}.{method} requires cross-replica context; use "
             "get_replica_context().merge_call() or call it outside strategy.run")
+
+
+def run_started(parts: Parts) -> int:
+    """A run of the strategy starts: marked in flight; a new phase for the workers."""
+    key = context.run_started(parts.strategy)
+    if parts.cluster is not None:
+        parts.cluster.next_phase()
+    return key
+
+
+def run_finished(parts: Parts, key: int) -> None:
+    """The run marked by `run_started` ended."""
+    context.run_finished(key)
+    if parts.cluster is not None:
+        parts.cluster.next_phase()
 
 
 def vote(parts: Parts) -> Callable[[bool], bool] | None:

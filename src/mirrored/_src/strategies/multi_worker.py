@@ -137,7 +137,8 @@ class MultiWorkerMirroredStrategy(Strategy):
                              f"number of local replicas; got {listing}. Pass devices= with "
                              "as many devices on every worker")
         cluster = Cluster(resolver=resolver, vote=comm.any, sync=comm.broadcast_from_chief,
-                          leave=process_group.destroy_process_group)
+                          leave=process_group.destroy_process_group,
+                          next_phase=job.next_phase)
         runtime = ThreadRuntime(topology, type(self).__name__,
                                 timeout_seconds=options.timeout_seconds)
         super().__init__(topology=topology, runtime=runtime, communicators=selector,

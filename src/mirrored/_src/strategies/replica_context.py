@@ -63,12 +63,7 @@ class ReplicaContext:
 
     def _check_current(self, method: str) -> None:
         if self._parts.topology.follows_caller:
-            if context.run_in_flight() and not context.in_run():
-                raise RuntimeError(
-                    f"ReplicaContext.{method} of the default strategy was called from a thread "
-                    "that is not a replica while a strategy.run is in flight (e.g. a thread "
-                    "started inside the step function), where it would return the value "
-                    "unreduced; call collectives from the replica function's own thread")
+            context.refuse_default_context_in_foreign_thread(f"ReplicaContext.{method}")
             return
         current = context.current_replica_context()
         if self._parts.topology.num_replicas_in_sync > 1 and current is not self:

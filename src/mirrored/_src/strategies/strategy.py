@@ -144,11 +144,11 @@ class Strategy:
             a, k = replica_args(i)
             return context.call_in_replica(self, contexts[i], fn, a, k)
 
-        key = context.run_started(self)
+        key = distribute.run_started(self._parts)
         try:
             results = self._parts.runtime.run(call)
         finally:
-            context.run_finished(key)
+            distribute.run_finished(self._parts, key)
         return regroup(results, topology.device_names)
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: Any = None) -> Any:

@@ -93,7 +93,9 @@ class CheckpointManager:
     def save(self, step: int, objects: Mapping[str, Any]) -> pathlib.Path:
         """Every worker calls it; the chief writes ``objects``' state dicts as the
         checkpoint of ``step`` (atomically) and drops the oldest beyond ``max_to_keep``;
-        returns when the checkpoint exists for every worker.
+        returns when the checkpoint exists for every worker. Checkpoints of *later*
+        steps are dropped too: they belong to an earlier run that got further (a
+        reused directory), and ``restore`` must not prefer them to this one.
 
         Raises:
             TypeError: an object without ``state_dict``/``load_state_dict``, a bad step.
@@ -115,6 +117,8 @@ class CheckpointManager:
             except BaseException:
                 pathlib.Path(tmp).unlink(missing_ok=True)
                 raise
+            for later in [s for s in self.steps() if s > step]:
+                self.path(later).unlink(missing_ok=True)
             for old in self.steps()[:-self.max_to_keep]:
                 self.path(old).unlink(missing_ok=True)
         _barrier(self._strategy)

@@ -112,6 +112,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
         """The mirrored module this optimizer trains."""
         return self._module
 
+    @torch.optim.Optimizer.profile_hook_step  # step pre/post hooks run, in every replica
     def step(self, closure: Callable[[], Any] | None = None, *,
              clip_grad_norm: float | None = None) -> Any:
         loss = None
@@ -158,6 +159,10 @@ class MirroredOptimizer(torch.optim.Optimizer):
             optimizer.step()
             return
         grads = [p.grad for p in params]
+        if any(g is not None and g.is_sparse for g in grads):
+            raise TypeError("MirroredOptimizer.step all-reduces dense gradients; a parameter has "
+                            "a sparse gradient (e.g. nn.Embedding(sparse=True)): use dense "
+                            "gradients (sparse=False)")
         missing = [k for k, g in enumerate(grads) if g is None]
         flags = self._ones[r]
         if missing:

@@ -28,7 +28,6 @@ import argparse
 import os
 import pathlib
 import sys
-import tempfile
 
 import torch
 import torch.nn.functional as F
@@ -58,22 +57,6 @@ parser.add_argument("--crash-after-epoch", type=int, default=None,
 args = parser.parse_args()
 if args.replicas < 1 or args.epochs < 0 or args.batch_size < 1:
     parser.error("--replicas and --batch-size must be >= 1, --epochs >= 0")
-
-
-def save_atomically(obj, path):
-    """torch.save to a temp file in the same directory, then rename over ``path``: a
-    crash mid-save leaves the previous file intact, never a truncated one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 # -----------------------------------------------------------------------------
@@ -134,20 +117,14 @@ print(f"{strategy.num_replicas_in_sync} replica{'s' if strategy.num_replicas_in_
 # resume from the latest checkpoint, if any
 
 start_epoch = 0
-checkpoint_path = args.checkpoint_dir / "checkpoint.pt" if args.checkpoint_dir else None
 checkpoints = None
-if args.multi_worker and args.checkpoint_dir is not None:
-    # The chief writes atomically; every worker restores the newest epoch they agree on.
+if args.checkpoint_dir is not None:
+    # The chief writes atomically (temporary file, fsync, rename); every worker restores
+    # the newest epoch into every replica's copy.
     checkpoints = mirrored.CheckpointManager(strategy, args.checkpoint_dir)
     start_epoch = checkpoints.restore({"model": model, "optimizer": optimizer}) or 0
     if start_epoch:
         print(f"resumed from epoch {start_epoch} ({checkpoints.path(start_epoch)})")
-elif checkpoint_path is not None and checkpoint_path.exists():
-    checkpoint = torch.load(checkpoint_path, weights_only=True)
-    model.load_state_dict(checkpoint["model"])  # into every replica's copy
-    optimizer.load_state_dict(checkpoint["optimizer"])
-    start_epoch = checkpoint["epoch"]
-    print(f"resumed from epoch {start_epoch} ({checkpoint_path})")
 
 
 # -----------------------------------------------------------------------------
@@ -198,9 +175,6 @@ for epoch in range(start_epoch, args.epochs):
           f"accuracy {epoch_mean(hits):.4f}", flush=True)
     if checkpoints is not None:
         checkpoints.save(epoch + 1, {"model": model, "optimizer": optimizer})
-    elif checkpoint_path is not None:
-        save_atomically({"epoch": epoch + 1, "model": model.state_dict(),
-                         "optimizer": optimizer.state_dict()}, checkpoint_path)
     if args.crash_after_epoch == epoch + 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT",
                                                               "0") == "0":
         sys.exit(f"crashing after epoch {epoch + 1} (--crash-after-epoch)")
@@ -215,5 +189,5 @@ test_hits = [strategy.experimental_local_results(strategy.run(eval_step, args=ba
 print(f"test accuracy: {epoch_mean(test_hits):.4f}")
 
 if args.save_final is not None and chief:
-    save_atomically(model.state_dict(), args.save_final)
+    torch.save(model.state_dict(), args.save_final)
 strategy.close()  # a multi-worker strategy also leaves the job

@@ -79,9 +79,11 @@ def test_learns_and_prints_one_parseable_line_per_epoch(runs):
 @pytest.mark.timeout(120)
 def test_resumes_from_its_checkpoint_and_matches_a_straight_run(runs):
     lines, tmp = runs
-    assert sorted(p.name for p in (tmp / "ckpt").iterdir()) == ["checkpoint.pt"]  # no temp left
+    # The newest two checkpoints are kept; no temporary file is left behind.
+    assert sorted(p.name for p in (tmp / "ckpt").iterdir()) == ["ckpt-000000002.pt",
+                                                                  "ckpt-000000003.pt"]
     resumed = lines["resumed"]
-    assert f"resumed from epoch 2 ({tmp / 'ckpt' / 'checkpoint.pt'})" in resumed
+    assert f"resumed from epoch 2 ({tmp / 'ckpt' / 'ckpt-000000002.pt'})" in resumed
     assert [e for e, _, _, _ in epochs_of(resumed)] == [3]
     # Epochs 1-2 of the checkpointed run and epoch 3 of the resumed one are the
     # straight run's epochs, to the printed digit.

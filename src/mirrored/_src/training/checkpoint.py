@@ -25,9 +25,9 @@ _NAME = re.compile(r"^ckpt-(\d+)\.pt$")
 
 
 def _barrier(strategy: Any) -> None:
-    cluster = strategy._parts.cluster
-    if cluster is not None:
-        cluster.vote(False)  # every worker must reach it: an all-gather of one flag
+    # A plain value is this worker's value in a multi-worker strategy, so reducing one
+    # is a collective every worker must reach; single-process strategies return it.
+    strategy.reduce("MAX", torch.tensor(0))
 
 
 def _check_objects(objects: Mapping[str, Any]) -> None:
@@ -137,16 +137,14 @@ class CheckpointManager:
         _barrier(self._strategy)  # a save still in progress elsewhere is finished
         steps = self.steps()
         newest = steps[-1] if steps else -1
-        cluster = self._strategy._parts.cluster
-        if cluster is not None:
-            mine = torch.tensor(newest, dtype=torch.int64)
-            low = int(self._strategy.reduce("MIN", mine).item())
-            high = int(self._strategy.reduce("MAX", mine).item())
-            if low != high:
-                raise RuntimeError(
-                    f"workers see different newest checkpoints in {self.directory} (steps "
-                    f"{low} to {high}; -1 means none); every worker must see the same "
-                    "directory (one machine or a shared file system)")
+        mine = torch.tensor(newest, dtype=torch.int64)  # every worker's, in a job
+        low = int(self._strategy.reduce("MIN", mine).item())
+        high = int(self._strategy.reduce("MAX", mine).item())
+        if low != high:
+            raise RuntimeError(
+                f"workers see different newest checkpoints in {self.directory} (steps "
+                f"{low} to {high}; -1 means none); every worker must see the same "
+                "directory (one machine or a shared file system)")
         if newest < 0:
             return None
         state = torch.load(self.path(newest), map_location="cpu", weights_only=True)

@@ -67,7 +67,8 @@ class DistributedValues(Generic[T]):
         if devices is None:
             names = tuple(_device_name(v) for v in values)
         else:
-            names = tuple(parse_device(d).name for d in devices)
+            names = devices if isinstance(devices, tuple) and all(
+        d.startswith("/job:") for d in devices) else tuple(parse_device(d).name for d in devices)
             if len(names) != len(values):
                 raise ValueError(
                     f"{type(self).__name__} got {len(values)} values but {len(names)} devices"
@@ -195,7 +196,8 @@ def regroup(results: Sequence[Any], devices: Sequence[str], *,
                 f"{got0} but replica {i} returned {got_i}; every replica must return the "
                 "same nest"
             )
-    names = tuple(parse_device(d).name for d in devices)
+    names = devices if isinstance(devices, tuple) and all(
+        d.startswith("/job:") for d in devices) else tuple(parse_device(d).name for d in devices)
     grouped = []
     for components in zip(*(f[0] for f in flat), strict=True):
         first = components[0]

@@ -157,6 +157,8 @@ class _Task:
             return [i for i, done in enumerate(self._finished) if not done]
 
     def has_interrupt(self) -> bool:
+        if not self.failures:  # the common case, read without the lock
+            return False
         with self._lock:
             return any(not isinstance(f.error, Exception) for f in self.failures)
 

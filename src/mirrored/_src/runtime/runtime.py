@@ -143,11 +143,11 @@ class ThreadRuntime:
                     "inside the step function instead")
         caller_state = capture()
         self._full_threads = caller_state.num_threads
-        if self._split_threads:
-            # N replicas share the caller's intra-op budget: each runs with
-            # get_num_threads() // N threads (at least 1), whichever thread runs it.
-            caller_state = dataclasses.replace(
-                caller_state, num_threads=max(1, caller_state.num_threads // self._n))
+        # N logical CPU replicas share the caller's intra-op budget: each runs with
+        # get_num_threads() // N threads (at least 1), whichever thread runs it.
+        threads = (max(1, caller_state.num_threads // self._n) if self._split_threads
+                   else caller_state.num_threads)
+        plain = caller_state.is_plain()
         caller_thread = threading.get_ident()
         caller_device = current_device()
         devices = self._topology.torch_devices
@@ -158,16 +158,26 @@ class ThreadRuntime:
             local.generation = generation
             device = devices[i]
             try:
-                on_caller = threading.get_ident() == caller_thread
-                if streams is None and device == caller_device and device.type == "cpu" and (
-                        (on_caller and not self._split_threads) or capture() == caller_state):
-                    return call(i)  # the common case: nothing to set up
+                if device == caller_device and device.type == "cpu":
+                    # The common case. The caller's thread has the caller's state already;
+                    # a replica thread has torch's defaults, which a plain caller state is.
+                    on_caller = threading.get_ident() == caller_thread
+                    if on_caller or plain:
+                        previous = torch.get_num_threads()
+                        if previous != threads:
+                            torch.set_num_threads(threads)
+                        try:
+                            if streams is None:
+                                return call(i)
+                            with streams.mode(i):
+                                return call(i)
+                        finally:
+                            if on_caller and previous != threads:
+                                torch.set_num_threads(previous)
                 with contextlib.ExitStack() as stack:
                     if device != caller_device or device.type != "cpu":
                         stack.enter_context(_on_device(device))
-                    if on_caller and torch.get_num_threads() != caller_state.num_threads:
-                        stack.callback(torch.set_num_threads, torch.get_num_threads())
-                    caller_state.apply(stack)
+                    dataclasses.replace(caller_state, num_threads=threads).apply(stack)
                     if streams is not None:
                         stack.enter_context(streams.mode(i))
                     return call(i)

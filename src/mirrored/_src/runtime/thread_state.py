@@ -44,6 +44,12 @@ class ThreadState:
     num_threads: int
     hooks: _Hooks
 
+    def is_plain(self) -> bool:
+        """Whether these are torch's defaults for a new thread (but the thread count):
+        grad on, no inference mode, no autocast, no saved-tensor hooks."""
+        return (self.grad and not self.inference and not self.cpu_autocast
+                and not self.cuda_autocast and self.hooks is None)
+
     def apply(self, stack: contextlib.ExitStack) -> None:
         """Enters, on ``stack``, every setting of this thread that differs from the
         snapshot (the thread count is set, and stays set on the replica thread)."""

@@ -19,9 +19,15 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.optim.optimizer as _torch_optimizer
 from torch import nn
 
 from ..runtime.random import library_call
+
+# torch's registries of global optimizer hooks (empty dicts if this torch has none).
+_GLOBAL_PRE_HOOKS: dict[Any, Any] = getattr(_torch_optimizer, "_global_optimizer_pre_hooks", {})
+_GLOBAL_POST_HOOKS: dict[Any, Any] = getattr(_torch_optimizer, "_global_optimizer_post_hooks",
+                                             {})
 from .module import MirroredModule, replica_index, replica_of
 
 if TYPE_CHECKING:
@@ -112,15 +118,26 @@ class MirroredOptimizer(torch.optim.Optimizer):
         """The mirrored module this optimizer trains."""
         return self._module
 
-    @torch.optim.Optimizer.profile_hook_step  # step pre/post hooks run, in every replica
     def step(self, closure: Callable[[], Any] | None = None, *,
              clip_grad_norm: float | None = None) -> Any:
+        # torch's step pre/post hooks (registered on this optimizer or globally) run in
+        # every replica, as step itself does; looked up only when there are some.
+        hooked = bool(self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks
+                      or _GLOBAL_PRE_HOOKS or _GLOBAL_POST_HOOKS)
+        if hooked:
+            args, kwargs = (self, closure), {"clip_grad_norm": clip_grad_norm}
+            for pre in (*_GLOBAL_PRE_HOOKS.values(), *self._optimizer_step_pre_hooks.values()):
+                pre(self, args, kwargs)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         # The library's own work: without the replica's random-stream mode dispatch.
         library_call(self._step, clip_grad_norm)
+        if hooked:
+            for post in (*self._optimizer_step_post_hooks.values(),
+                         *_GLOBAL_POST_HOOKS.values()):
+                post(self, args, kwargs)
         return loss
 
     def _step(self, clip_grad_norm: float | None) -> None:

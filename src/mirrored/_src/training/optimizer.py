@@ -23,12 +23,12 @@ import torch.optim.optimizer as _torch_optimizer
 from torch import nn
 
 from ..runtime.random import library_call
+from .module import MirroredModule, replica_index, replica_of
 
 # torch's registries of global optimizer hooks (empty dicts if this torch has none).
 _GLOBAL_PRE_HOOKS: dict[Any, Any] = getattr(_torch_optimizer, "_global_optimizer_pre_hooks", {})
 _GLOBAL_POST_HOOKS: dict[Any, Any] = getattr(_torch_optimizer, "_global_optimizer_post_hooks",
                                              {})
-from .module import MirroredModule, replica_index, replica_of
 
 if TYPE_CHECKING:
     from mirrored import Strategy

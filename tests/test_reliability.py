@@ -103,7 +103,17 @@ class Armed:
 
 
 @pytest.fixture
-def sigint():
+def no_gc_callbacks():
+    """A signal landing in a gc callback (hypothesis registers one) is swallowed by
+    Python as an "unraisable" exception, which pytest turns into a failure."""
+    saved = list(gc.callbacks)
+    gc.callbacks.clear()
+    yield
+    gc.callbacks.extend(saved)
+
+
+@pytest.fixture
+def sigint(no_gc_callbacks):
     handler = Armed()
     previous = signal.signal(signal.SIGINT, handler)
     yield handler
@@ -130,18 +140,7 @@ def test_interrupt_while_the_caller_waits_in_a_collective(two, sigint):
         assert_exact(two)
 
 
-@pytest.fixture
-def no_gc_callbacks():
-    """A signal landing in a gc callback (hypothesis registers one) is swallowed by
-    Python as an "unraisable" exception, which pytest turns into a failure."""
-    saved = list(gc.callbacks)
-    gc.callbacks.clear()
-    yield
-    gc.callbacks.extend(saved)
-
-
 @pytest.mark.timeout(120)
-@pytest.mark.usefixtures("no_gc_callbacks")
 def test_sigint_soak_never_hangs_and_the_next_run_is_exact(sigint):
     strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2"])
     rng = random.Random(0)
@@ -459,6 +458,7 @@ def test_a_replica_given_up_on_fails_the_run_even_if_its_partner_caught_the_time
     done.set()
 
 
+@pytest.mark.usefixtures("no_gc_callbacks")
 def test_interrupt_main_reaches_a_caller_waiting_for_a_busy_replica(two):
     import _thread
 

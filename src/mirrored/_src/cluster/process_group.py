@@ -120,6 +120,7 @@ class PeerMonitor:
         self._dead: list[int] = []
         self._beats = 0
         self._armed = False  # no verdicts until every peer has joined (see arm)
+        self._store_silent_since: float | None = None
         self._stop = threading.Event()
         self._beat()
         self._thread = threading.Thread(target=self._run, name="mirrored-heartbeat",
@@ -136,12 +137,19 @@ class PeerMonitor:
                 self._beat()
                 present = [r for r in self._peers if self._store.check([_key(r)])]
                 values = self._store.multi_get([_key(r) for r in present]) if present else []
-            except Exception:  # the store's host (worker 0) is gone
+            except Exception:  # the store's host (worker 0) may be gone
                 if self._stop.is_set():
                     return
-                if self.rank != 0 and 0 not in self._dead:
+                # Only a store that stays silent for the failure timeout means worker 0
+                # died: one failed call can be a hiccup of a loaded machine.
+                now = time.monotonic()
+                if self._store_silent_since is None:
+                    self._store_silent_since = now
+                if (self.rank != 0 and 0 not in self._dead
+                        and now - self._store_silent_since > self.failure_timeout):
                     self._dead = [0]
                 continue
+            self._store_silent_since = None
             now = time.monotonic()
             for r, value in zip(present, values, strict=True):
                 head, _, started = value.partition(b" ")

@@ -217,7 +217,7 @@ def test_a_worker_killed_mid_training_makes_the_survivors_raise_worker_failure_e
         tmp_path):
     with pytest.raises(mirrored.testing.MultiProcessError) as info:
         mirrored.testing.run_multi_process(_killed_mid_training, 3, args=(str(tmp_path),),
-                                           timeout=80)
+                                           timeout=80, grace=20)  # time to notice the death
     assert info.value.rank == 2 and set(info.value.failures) == {2}  # only the killed one
     for rank in (0, 1):
         report = json.loads((tmp_path / f"{rank}.json").read_text())

@@ -144,7 +144,8 @@ def _check(fn: object, world_size: object, args: object, kwargs: object, timeout
 
 def run_multi_process(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (),
                       kwargs: Mapping[str, Any] | None = None, timeout: float = 60.0,
-                      env: Mapping[str, str] | None = None) -> list[Any]:
+                      env: Mapping[str, str] | None = None,
+                      grace: float = _FAILURE_GRACE_SECONDS) -> list[Any]:
     """Runs ``fn(*args, **kwargs)`` in ``world_size`` fresh processes, one per rank, as
     torchrun would, and returns their results in rank order.
 
@@ -161,6 +162,9 @@ def run_multi_process(fn: Callable[..., Any], world_size: int, *, args: Sequence
         kwargs: keyword arguments for ``fn``.
         timeout: seconds for the whole run, process start-up included.
         env: extra environment variables for every child (they override the above).
+        grace: once a rank failed, how long the others may still report (seconds)
+            before they are killed; a test of how survivors react to a death needs
+            more than the default 3 s.
 
     Returns:
         Each rank's return value (pickled back), in rank order.
@@ -206,7 +210,7 @@ def run_multi_process(fn: Callable[..., Any], world_size: int, *, args: Sequence
             finally:
                 writer.close()
             procs.append(proc)
-        outcome = _collect(procs, readers, deadline)
+        outcome = _collect(procs, readers, deadline, grace)
     finally:
         _stop(procs)
         for reader in readers:
@@ -226,7 +230,7 @@ class _Outcome:
 
 
 def _collect(procs: Sequence[multiprocessing.process.BaseProcess], readers: Sequence[Connection],
-             deadline: float) -> _Outcome:
+             deadline: float, grace: float) -> _Outcome:
     out = _Outcome()
     out.running = set(range(len(procs)))
     limit = deadline
@@ -252,7 +256,7 @@ def _collect(procs: Sequence[multiprocessing.process.BaseProcess], readers: Sequ
             else:
                 out.failures[rank] = (report[1], report[2])
             if not out.failure_order:
-                limit = min(deadline, time.monotonic() + _FAILURE_GRACE_SECONDS)
+                limit = min(deadline, time.monotonic() + grace)
             out.failure_order.append(rank)
     return out
 

@@ -120,7 +120,6 @@ class PeerMonitor:
         self._dead: list[int] = []
         self._beats = 0
         self._armed = False  # no verdicts until every peer has joined (see arm)
-        self._store_silent_since: float | None = None
         self._stop = threading.Event()
         self._beat()
         self._thread = threading.Thread(target=self._run, name="mirrored-heartbeat",
@@ -140,16 +139,12 @@ class PeerMonitor:
             except Exception:  # the store's host (worker 0) may be gone
                 if self._stop.is_set():
                     return
-                # Only a store that stays silent for the failure timeout means worker 0
-                # died: one failed call can be a hiccup of a loaded machine.
-                now = time.monotonic()
-                if self._store_silent_since is None:
-                    self._store_silent_since = now
-                if (self.rank != 0 and 0 not in self._dead
-                        and now - self._store_silent_since > self.failure_timeout):
-                    self._dead = [0]
+                # Verdicts go on from the heartbeats seen so far: worker 0's stops with
+                # its store (dead after the failure timeout, not at one failed call, which
+                # can be a hiccup of a loaded machine), and worker 0 may have left after
+                # noticing a death that this worker must still name.
+                self._judge(time.monotonic())
                 continue
-            self._store_silent_since = None
             now = time.monotonic()
             for r, value in zip(present, values, strict=True):
                 head, _, started = value.partition(b" ")
@@ -158,9 +153,12 @@ class PeerMonitor:
                     self._exited[r] = int(started or 0)
                 if value != self._seen[r][0]:
                     self._seen[r] = (value, now)
-            if self._armed:
-                self._dead = sorted(r for r in self._peers if r not in self._exited
-                                    and now - self._seen[r][1] > self.failure_timeout)
+            self._judge(now)
+
+    def _judge(self, now: float) -> None:
+        if self._armed:
+            self._dead = sorted(r for r in self._peers if r not in self._exited
+                                and now - self._seen[r][1] > self.failure_timeout)
 
     def arm(self) -> None:
         """Starts judging peers (call once every worker has joined the job)."""

@@ -304,4 +304,6 @@ def test_a_collective_that_a_peer_never_joins_times_out():
     assert second == "slept"
     seconds, message = first.split(" ", 1)
     assert 1.4 <= float(seconds) < 8.0  # generous: the 2 shared cores are loaded in CI
-    assert "waited 1.5 s in collective" in message
+    # Our deadline or Gloo's own (the process group's timeout is the same 1.5 s),
+    # whichever fires first: both are a CollectiveTimeoutError naming the collective.
+    assert "waited 1.5 s in collective" in message or "timed out in the process group" in message

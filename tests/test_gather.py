@@ -40,8 +40,8 @@ def test_errors(two):
                                          r"along axis 0 at value; got replica 0 \(CPU:0\): "
                                          r"float32\[1, 2\]; replica 1 \(CPU:1\): float32\[1, 3\]"):
         two.gather(mirrored.PerReplica([torch.zeros(1, 2), torch.zeros(1, 3)]), axis=0)
-    with pytest.raises(ValueError, match=r"cannot concatenate rank-0 values at value .* "
-                                         r"x\[None\]"):
+    with pytest.raises(ValueError, match=r"gather\(axis=0\) cannot concatenate rank-0 values at "
+                                         r"value; give each a dimension first, e.g. x\[None\]"):
         two.gather(mirrored.PerReplica([torch.tensor(1.0), torch.tensor(2.0)]), axis=0)
     with pytest.raises(ValueError, match=r"axis 1 is out of range for rank-1 values"):
         two.gather(mirrored.PerReplica([torch.zeros(1), torch.zeros(2)]), axis=1)

@@ -29,6 +29,7 @@ __all__ = [
     "check_dtype",
     "describe",
     "describe_spec",
+    "gather_dim",
     "finish",
     "leaf_dims",
     "masked_shape",
@@ -36,6 +37,7 @@ __all__ = [
     "normalize_axis",
     "op_title",
     "plan_components",
+    "plan_gather",
     "plan_leaf",
     "prepare",
     "sum_dtype",
@@ -255,6 +257,43 @@ def plan_components(title: str, op: ReduceOp, components: Sequence[torch.Tensor]
         raise ValueError(f"{title} needs components that differ only along axis {axis_text} "
                          f"at {where}; got {_listing(components, labels)}")
     return plan
+
+
+def gather_dim(title: str, shape: Sequence[int], axis: int, where: str) -> int:
+    """The non-negative dim a gather of a value of ``shape`` concatenates along.
+
+    Raises:
+        ValueError: a rank-0 value, or an axis out of range.
+    """
+    if len(shape) == 0:
+        raise ValueError(f"{title} cannot concatenate rank-0 values at {where}; give each a "
+                         "dimension first, e.g. x[None]")
+    return leaf_dims(title, shape, (axis,), where)[0]
+
+
+def plan_gather(title: str, components: Sequence[torch.Tensor], axis: int,
+                labels: Sequence[str], where: str) -> int:
+    """Checks one tensor per replica for a gather along ``axis`` (one dtype and rank,
+    equal shapes but along ``axis``) and returns the dim.
+
+    Raises:
+        ValueError: mismatched dtypes, ranks or shapes, rank-0 values, a bad axis.
+        TypeError: a dtype torch cannot concatenate.
+    """
+    first = components[0]
+    check_dtype(title, None, first.dtype, where)
+    if any(c.dtype != first.dtype for c in components):
+        raise ValueError(f"{title} needs components of one dtype at {where}; got "
+                         f"{_listing(components, labels)}")
+    if any(c.dim() != first.dim() for c in components):
+        raise ValueError(f"{title} needs components of one rank at {where}; got "
+                         f"{_listing(components, labels)}")
+    dim = gather_dim(title, first.shape, axis, where)
+    kept = masked_shape(first.shape, (dim,))
+    if any(masked_shape(c.shape, (dim,)) != kept for c in components):
+        raise ValueError(f"{title} needs components that differ only along axis {axis} at "
+                         f"{where}; got {_listing(components, labels)}")
+    return dim
 
 
 def _listing(components: Sequence[torch.Tensor], labels: Sequence[str]) -> str:

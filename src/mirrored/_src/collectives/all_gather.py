@@ -14,10 +14,10 @@ import torch
 
 from .. import pytree
 from ..options import CommunicationOptions
-from ..reduction import check_dtype, leaf_dims, masked_shape
-from ..runtime.contract import Arrival, CallSpec
+from ..reduction import check_dtype, gather_dim
+from ..runtime.contract import Arrival
 from .all_reduce import gradient_all_reduce, zeros_for_none
-from .call import refuse_in_merge_fn, tensors_of, with_paths
+from .call import call_spec, refuse_in_merge_fn, tensors_of, with_paths
 from .parts import Parts
 
 __all__ = ["AllGather", "all_gather"]
@@ -52,19 +52,12 @@ class AllGather:
             dims = []
             for t, where in zip(tensors, wheres, strict=True):
                 check_dtype(title, None, t.dtype, where)
-                if t.dim() == 0:
-                    raise ValueError(f"{title} cannot concatenate rank-0 values at {where}; "
-                                     "give each a dimension first, e.g. x[None]")
-                dims.append(leaf_dims(title, t.shape, (self.axis,), where)[0])
+                dims.append(gather_dim(title, t.shape, self.axis, where))
             return dims
 
         self.dims = with_paths(self.value, len(tensors), plan)
-        dtypes = tuple(t.dtype for t in tensors)
-        shapes = tuple(masked_shape(t.shape, (d,)) for t, d in zip(tensors, self.dims,
-                                                                   strict=True))
-        call = CallSpec(title, self.site, (title, spec, shapes, dtypes), spec,
-                        tuple(zip(dtypes, (tuple(t.shape) for t in tensors), strict=True)),
-                        self.value)
+        call = call_spec(title, self.site, spec, tensors, [(d,) for d in self.dims],
+                         self.value)
         result = self.parts.runtime.exchange(
             self.index, Arrival(call, list(tensors), self._combine), self.options.timeout_seconds)
         self.offsets = result.offsets

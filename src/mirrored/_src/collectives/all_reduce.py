@@ -19,15 +19,14 @@ from ..reduce_op import ReduceOp
 from ..reduction import (
     LeafPlan,
     finish,
-    masked_shape,
     no_elements_message,
     normalize_axis,
     op_title,
     plan_leaf,
     prepare,
 )
-from ..runtime.contract import Arrival, CallSpec, CollectiveFailure
-from .call import paths_of, refuse_in_merge_fn, tensors_of, with_paths
+from ..runtime.contract import Arrival, CollectiveFailure
+from .call import call_spec, paths_of, refuse_in_merge_fn, tensors_of, with_paths
 from .parts import Parts
 
 __all__ = ["AllReduce", "all_reduce"]
@@ -71,15 +70,8 @@ class AllReduce:
         self.plans = with_paths(self.value, len(tensors), lambda wheres: [
             plan_leaf(title, op, t, axes, w) for t, w in zip(tensors, wheres, strict=True)])
         prepared = [prepare(p, t) for p, t in zip(self.plans, tensors, strict=True)]
-        dtypes = tuple(t.dtype for t in tensors)
-        if axes is None:
-            shapes = tuple(tuple(t.shape) for t in tensors)
-        else:
-            shapes = tuple(masked_shape(t.shape, p.dims or ())
-                           for t, p in zip(tensors, self.plans, strict=True))
-        call = CallSpec(title, self.site, (title, spec, shapes, dtypes), spec,
-                        tuple(zip(dtypes, (tuple(t.shape) for t in tensors), strict=True)),
-                        self.value)
+        call = call_spec(title, self.site, spec, tensors, [p.dims or () for p in self.plans],
+                         self.value)
         payload = _Payload([p for p, _ in prepared], [c for _, c in prepared])
         result = self.parts.runtime.exchange(self.index, Arrival(call, payload, self._combine),
                                              self.options.timeout_seconds)

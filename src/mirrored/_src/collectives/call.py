@@ -11,10 +11,12 @@ from typing import Any, TypeVar
 import torch
 
 from .. import context, pytree
+from ..reduction import masked_shape
+from ..runtime.contract import CallSpec
 from ..values import DistributedValues, to_tensor
 from .parts import Parts
 
-__all__ = ["call_site", "paths_of", "refuse_in_merge_fn", "tensors_of", "with_paths"]
+__all__ = ["call_site", "call_spec", "paths_of", "refuse_in_merge_fn", "tensors_of", "with_paths"]
 
 T = TypeVar("T")
 
@@ -72,3 +74,15 @@ def refuse_in_merge_fn(parts: Parts, title: str, site: str) -> None:
         raise RuntimeError(
             f"{title} at {site} was called inside a merge_fn; collectives, and backward "
             "passes through them, must run in the replicas, not in merge_fn")
+
+
+def call_spec(title: str, site: str, spec: pytree.PyTreeSpec, tensors: Sequence[torch.Tensor],
+              free_dims: Sequence[Sequence[int]], value: Any) -> CallSpec:
+    """What the contract compares for one replica's call: title, structure, dtypes and
+    shapes with each leaf's ``free_dims`` (reduced or gathered; they may differ
+    between replicas) masked."""
+    dtypes = tuple(t.dtype for t in tensors)
+    shapes = tuple(masked_shape(t.shape, dims) if dims else tuple(t.shape)
+                   for t, dims in zip(tensors, free_dims, strict=True))
+    return CallSpec(title, site, (title, spec, shapes, dtypes), spec,
+                    tuple(zip(dtypes, (tuple(t.shape) for t in tensors), strict=True)), value)

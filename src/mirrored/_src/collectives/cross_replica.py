@@ -21,12 +21,11 @@ from ..reduction import (
     LeafPlan,
     check_dtype,
     finish,
-    leaf_dims,
-    masked_shape,
     no_elements_message,
     normalize_axis,
     op_title,
     plan_components,
+    plan_gather,
     prepare,
 )
 from ..values import DistributedValues, Mirrored, PerReplica, to_tensor
@@ -147,28 +146,7 @@ def gather(parts: Parts, value: Any, axis: int) -> Any:
         where = pytree.format_path(path)
         check_components(parts, leaf, where)
         components = [_detached(to_tensor(v, where, "gather")) for v in leaf.values]
-        _check_gather(title, components, axis, parts.topology.labels, where)
-        dim = axis % components[0].dim()
+        dim = plan_gather(title, components, axis, parts.topology.labels, where)
         copies, _ = parts.communicators.default.gather(components, dim, destination)
         out.append(_to(copies[0], device))
     return pytree.unflatten(spec, out)
-
-
-def _check_gather(title: str, components: list[torch.Tensor], axis: int,
-                  labels: tuple[str, ...], where: str) -> None:
-    first = components[0]
-    listing = "; ".join(f"{label}: {str(c.dtype).removeprefix('torch.')}{list(c.shape)}"
-                        for label, c in zip(labels, components, strict=True))
-    check_dtype(title, None, first.dtype, where)
-    if any(c.dtype != first.dtype for c in components):
-        raise ValueError(f"{title} needs components of one dtype at {where}; got {listing}")
-    if any(c.dim() == 0 for c in components):
-        raise ValueError(f"{title} cannot concatenate rank-0 values at {where} ({listing}); "
-                         "give each a dimension first, e.g. x[None]")
-    if any(c.dim() != first.dim() for c in components):
-        raise ValueError(f"{title} needs components of one rank at {where}; got {listing}")
-    (dim,) = leaf_dims(title, first.shape, (axis,), where)
-    if any(masked_shape(c.shape, (dim,)) != masked_shape(first.shape, (dim,))
-           for c in components):
-        raise ValueError(f"{title} needs components that differ only along axis {axis} at "
-                         f"{where}; got {listing}")

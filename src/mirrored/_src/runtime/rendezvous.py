@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import torch
+
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, ReplicaAbortedError
 from .contract import Arrival, CollectiveFailure, Failure, Raise, describe_call, mismatch_message
 
@@ -61,6 +63,7 @@ class Rendezvous:
         self._on_timeout = on_timeout
         self._lock = threading.Lock()
         self._generation = 0
+        self._combine_threads: int | None = None
         self._active = False
         self._round: list[_Slot | None] = [None] * self._n
         self._count = 0
@@ -69,9 +72,11 @@ class Rendezvous:
         self._exited = [False] * self._n
         self._broken: Failure | None = None
 
-    def start(self) -> int:
-        """Starts a new run; returns its generation."""
+    def start(self, combine_threads: int | None = None) -> int:
+        """Starts a new run; returns its generation. ``combine_threads``: the intra-op
+        thread count the combining replica uses (everyone else waits meanwhile)."""
         with self._lock:
+            self._combine_threads = combine_threads
             self._generation += 1
             self._active = True
             self._round = [None] * self._n
@@ -142,7 +147,7 @@ class Rendezvous:
             if message is not None:
                 results = [Failure(CollectiveMismatchError, message)] * self._n
             else:
-                results = slots[0].arrival.combine([s.arrival.payload for s in slots])
+                results = self._combine(slots)
         except CollectiveFailure as failure:  # raised in every replica
             message = None
             results = [failure.failure] * self._n
@@ -171,6 +176,18 @@ class Rendezvous:
             self._completing = ()
         if interrupt is not None:
             raise interrupt
+
+    def _combine(self, slots: tuple[_Slot, ...]) -> Sequence[Any]:
+        combine = slots[0].arrival.combine
+        payloads = [s.arrival.payload for s in slots]
+        threads, previous = self._combine_threads, torch.get_num_threads()
+        if threads is None or threads == previous:
+            return combine(payloads)
+        torch.set_num_threads(threads)
+        try:
+            return combine(payloads)
+        finally:
+            torch.set_num_threads(previous)
 
     def _wait(self, slot: _Slot, timeout: float | None) -> None:
         try:

@@ -189,7 +189,10 @@ class ThreadRuntime:
             self._running = True
             self._caller_device = caller_device
             rendezvous = self._rendezvous
-            generation = rendezvous.start()
+            # Everyone else waits while one replica combines: it may use the caller's
+            # whole intra-op thread budget for that.
+            generation = rendezvous.start(
+                self._full_threads if self._split_threads else None)
             if streams is not None:
                 streams.start_run()
             try:
@@ -243,11 +246,6 @@ class ThreadRuntime:
         if self._n == 1:
             return _complete_alone(arrival)
         generation = getattr(self._local, "generation", 0)
-        if self._split_threads:
-            # Everyone else waits while one replica combines: it may use the caller's
-            # whole intra-op thread budget for that.
-            arrival = dataclasses.replace(arrival, combine=_with_threads(
-                self._full_threads, arrival.combine))
         return self._rendezvous.exchange(generation, index, arrival, timeout)
 
     def close(self) -> None:
@@ -272,20 +270,6 @@ class ThreadRuntime:
         failure = min(causes or failures, key=lambda f: f.replica_id)
         _add_note(failure.error, self._note(failure.replica_id))
         return failure.error
-
-
-def _with_threads(count: int, combine: Callable[[Sequence[P]], Sequence[R]]
-                  ) -> Callable[[Sequence[P]], Sequence[R]]:
-    def run(payloads: Sequence[P]) -> Sequence[R]:
-        previous = torch.get_num_threads()
-        if previous == count:
-            return combine(payloads)
-        torch.set_num_threads(count)
-        try:
-            return combine(payloads)
-        finally:
-            torch.set_num_threads(previous)
-    return run
 
 
 def _after_fork_in_child() -> None:

@@ -10,6 +10,7 @@ through ``.values`` or ``strategy.experimental_local_results``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any, Generic, TypeVar, final
 
@@ -31,6 +32,12 @@ __all__ = [
 T = TypeVar("T")
 
 _HOST = torch.device("cpu")
+
+
+@functools.lru_cache(maxsize=1024)
+def _canonical(device: str) -> str:
+    """The canonical name of a device spelling (cached: `regroup` runs every step)."""
+    return parse_device(device).name
 
 
 def _device_name(value: Any) -> str:
@@ -67,8 +74,7 @@ class DistributedValues(Generic[T]):
         if devices is None:
             names = tuple(_device_name(v) for v in values)
         else:
-            names = devices if isinstance(devices, tuple) and all(
-        d.startswith("/job:") for d in devices) else tuple(parse_device(d).name for d in devices)
+            names = tuple(_canonical(d) for d in devices)
             if len(names) != len(values):
                 raise ValueError(
                     f"{type(self).__name__} got {len(values)} values but {len(names)} devices"
@@ -196,8 +202,7 @@ def regroup(results: Sequence[Any], devices: Sequence[str], *,
                 f"{got0} but replica {i} returned {got_i}; every replica must return the "
                 "same nest"
             )
-    names = devices if isinstance(devices, tuple) and all(
-        d.startswith("/job:") for d in devices) else tuple(parse_device(d).name for d in devices)
+    names = tuple(_canonical(d) for d in devices)
     grouped = []
     for components in zip(*(f[0] for f in flat), strict=True):
         first = components[0]

@@ -20,14 +20,17 @@ from contextlib import contextmanager
 from typing import Any, NamedTuple, Protocol
 
 __all__ = [
+    "Scope",
     "StrategyLike",
     "enter_scope",
+    "experimental_set_strategy",
     "get_cross_replica_context",
     "get_replica_context",
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
     "call_in_replica",
+    "refuse_other_strategy",
     "register_default_strategy",
 ]
 
@@ -58,6 +61,7 @@ class _Frame(NamedTuple):
 class _State(threading.local):
     def __init__(self) -> None:
         self.stack: list[_Frame] = []
+        self.set_scope: Scope | None = None  # experimental_set_strategy's open scope
 
 
 _state = _State()
@@ -84,30 +88,100 @@ def _default() -> Strategy:
     return _default_factory()
 
 
-@contextmanager
-def enter_scope(strategy: StrategyLike) -> Iterator[Strategy]:
-    """Makes ``strategy`` current for this thread (what ``strategy.scope()`` does).
+class Scope:
+    """What ``strategy.scope()`` returns: a context manager that makes its strategy
+    current for this thread while entered.
+
+    It may be entered again while already active (``with scope: ... with scope:``),
+    as in TF; each exit pops the frame its enter pushed. Entering a different
+    non-default strategy inside another one's scope raises `RuntimeError`.
+    """
+
+    __slots__ = ("_strategy",)
+
+    def __init__(self, strategy: StrategyLike) -> None:
+        self._strategy = strategy
+
+    def __enter__(self) -> Strategy:
+        strategy = self._strategy
+        top = _top()
+        if top is not None and top.strategy is not strategy and top.strategy is not _default():
+            raise RuntimeError(
+                f"Mixing different mirrored Strategy objects: cannot enter the scope of "
+                f"{strategy!r} inside the scope of {top.strategy!r}; leave the outer scope "
+                "first (one strategy at a time per thread)")
+        replica_context = None
+        if top is not None and top.strategy is strategy:
+            replica_context = top.replica_context
+        if replica_context is None:
+            replica_context = strategy.default_replica_context  # the default's, as outside
+        _state.stack.append(_Frame(strategy, replica_context,
+                                   in_run=top is not None and top.in_run))
+        return strategy
+
+    def __exit__(self, *exc: object) -> None:
+        _state.stack.pop()
+
+
+def enter_scope(strategy: StrategyLike) -> Scope:
+    """Makes ``strategy`` current for this thread (what ``strategy.scope()`` returns).
 
     Entering any strategy inside the default strategy's scope is allowed (as in TF);
     entering a different strategy inside another one's scope is not.
     """
+    return Scope(strategy)
+
+
+def refuse_other_strategy(strategy: StrategyLike, method: str) -> None:
+    """Refuses ``method`` of ``strategy`` while a different non-default strategy is
+    current (its scope, or a replica of its ``run``), as TF does.
+
+    Raises:
+        RuntimeError: ``Mixing different mirrored Strategy objects``, naming both.
+    """
     top = _top()
-    default = _default()
-    if top is not None and top.strategy is not strategy and top.strategy is not default:
+    if top is None or top.strategy is strategy:
+        return
+    if top.strategy is _default():
+        return
+    raise RuntimeError(
+        f"Mixing different mirrored Strategy objects: {method} of {strategy!r} was called "
+        f"while {top.strategy!r} is current (inside its scope or run); call it outside "
+        "that scope, or use the current strategy (mirrored.get_strategy())")
+
+
+def experimental_set_strategy(strategy: StrategyLike | None) -> None:
+    """Makes ``strategy`` current for this thread until the next call, as if its
+    ``scope()`` were entered and left open (TF's
+    ``tf.distribute.experimental_set_strategy``); ``None`` goes back to the default.
+
+    Raises:
+        RuntimeError: called inside a strategy's ``scope()`` or ``run``.
+
+    Example:
+        >>> import mirrored
+        >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> mirrored.experimental_set_strategy(strategy)
+        >>> mirrored.get_strategy() is strategy, mirrored.in_cross_replica_context()
+        (True, True)
+        >>> mirrored.experimental_set_strategy(None)
+        >>> mirrored.has_strategy()
+        False
+    """
+    state = _state
+    held = 1 if state.set_scope is not None else 0
+    top = _top()
+    if top is not None and len(state.stack) > held:
         raise RuntimeError(
-            f"cannot enter the scope of {strategy!r} inside the scope of {top.strategy!r}; "
-            "mixing strategies is not supported: leave the outer scope first"
-        )
-    replica_context = None
-    if top is not None and top.strategy is strategy:
-        replica_context = top.replica_context
-    if replica_context is None:
-        replica_context = strategy.default_replica_context  # the default's, as outside
-    _state.stack.append(_Frame(strategy, replica_context, in_run=top is not None and top.in_run))
-    try:
-        yield strategy
-    finally:
-        _state.stack.pop()
+            "experimental_set_strategy must not be called inside a strategy's scope() or "
+            f"run (the current strategy is {top.strategy!r}); call it outside every scope")
+    if state.set_scope is not None:
+        state.set_scope.__exit__(None, None, None)
+        state.set_scope = None
+    if strategy is not None:
+        scope = Scope(strategy)
+        scope.__enter__()
+        state.set_scope = scope
 
 
 def call_in_replica(strategy: Strategy, replica_context: ReplicaContext,
@@ -212,6 +286,14 @@ def in_cross_replica_context() -> bool:
     """
     top = _top()
     return top is not None and top.replica_context is None
+
+
+def merging_strategy() -> Strategy | None:
+    """The strategy whose ``merge_fn`` this thread runs (the innermost), else ``None``."""
+    for frame in reversed(_state.stack):
+        if frame.merging:
+            return frame.strategy
+    return None
 
 
 def in_merge_fn_of_run() -> bool:

@@ -4,7 +4,8 @@ a function. Pure functions over the strategy's `Parts`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -14,20 +15,82 @@ from ..collectives.cross_replica import check_components
 from ..collectives.parts import Parts
 from ..values import DistributedValues, PerReplica, ValueContext, regroup, select_replica
 
-__all__ = ["distribute_values", "local_results", "require_cross_replica", "run_finished",
-           "run_started", "split_args", "sync_from_chief", "vote"]
+__all__ = ["check_run", "distribute_values", "local_results", "nested_in_merge_fn",
+           "require_cross_replica", "run_finished", "run_in_merge_fn", "run_started",
+           "split_args", "sync_from_chief", "vote"]
+
+ReplicaArgs = Callable[[int], tuple[Any, dict[str, Any]]]
 
 
 def require_cross_replica(parts: Parts, method: str) -> None:
-    """Refuses a cross-replica method inside ``run`` (the default strategy never does).
+    """Refuses a cross-replica method inside ``run`` or while another strategy is
+    current (the default strategy never refuses).
 
     Raises:
         RuntimeError: naming the method and what to use instead.
     """
-    if not parts.topology.follows_caller and context.current_replica_context():
+    if parts.topology.follows_caller:
+        return
+    context.refuse_other_strategy(parts.strategy, f"{parts.name}.{method}")
+    if context.current_replica_context():
         raise RuntimeError(
             f"{parts.name}.{method} requires cross-replica context; use "
             "get_replica_context().merge_call() or call it outside strategy.run")
+
+
+def check_run(parts: Parts, args: Any, kwargs: Any) -> ReplicaArgs:
+    """Checks where and how ``run`` was called; returns `split_args` of its arguments.
+
+    Raises:
+        RuntimeError: inside a replica, or while another strategy is current.
+        ValueError: ``args`` is not a tuple or list.
+        TypeError: ``kwargs`` is not a dict.
+    """
+    if not parts.topology.follows_caller:
+        context.refuse_other_strategy(parts.strategy, f"{parts.name}.run")
+        if context.in_run() and not nested_in_merge_fn(parts):
+            raise RuntimeError(
+                f"{parts.name}.run cannot be called inside a replica (from the fn of "
+                "another run); call the inner function directly")
+    if not isinstance(args, tuple | list):
+        raise ValueError(f"run(fn, args=...) takes a tuple or list of positional arguments; "
+                         f"got {type(args).__name__}. Write args=(x,) for a single argument")
+    if kwargs is None:
+        kwargs = {}
+    elif not isinstance(kwargs, dict):
+        raise TypeError(f"run(fn, kwargs=...) takes a dict; got {type(kwargs).__name__}")
+    return split_args(parts, args, kwargs)
+
+
+def nested_in_merge_fn(parts: Parts) -> bool:
+    """Whether this thread runs a ``merge_fn`` of this strategy (outside any replica of
+    a nested ``run``)."""
+    return (not parts.topology.follows_caller and context.current_replica_context() is None
+            and context.merging_strategy() is parts.strategy)
+
+
+def run_in_merge_fn(parts: Parts, contexts: Sequence[Any], fn: Callable[..., Any],
+                    replica_args: ReplicaArgs) -> Any:
+    """``run`` called inside a ``merge_fn``: every replica is paused in ``merge_call``,
+    so the replicas of this nested run go one after another on this thread, each in
+    its replica context and on its device (TF runs them on new threads). Collectives
+    inside are refused (``merge_fn`` rules), since the replicas do not run together."""
+    topology = parts.topology
+    results = []
+    for i, device in enumerate(topology.torch_devices):
+        a, k = replica_args(i)
+        try:
+            with contextlib.ExitStack() as stack:
+                if device.type != "cpu":
+                    stack.enter_context(torch.device(device))
+                    if device.type == "cuda":
+                        stack.enter_context(torch.cuda.device(device))
+                results.append(context.call_in_replica(parts.strategy, contexts[i], fn, a, k))
+        except Exception as error:
+            note = f"raised in {topology.labels[i]} of {parts.name}.run inside a merge_fn"
+            error.__notes__ = [*getattr(error, "__notes__", []), note]  # add_note, 3.10 too
+            raise
+    return regroup(results, topology.device_names)
 
 
 def run_started(parts: Parts) -> int:

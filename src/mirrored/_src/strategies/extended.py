@@ -6,13 +6,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .. import context
 from ..collectives.cross_replica import check_components
 from ..collectives.parts import Parts
 from ..comm import batch
 from ..options import CommunicationOptions
 from ..reduce_op import ReduceOp
 from ..values import DistributedValues, Mirrored, PerReplica
+from . import distribute
 
 __all__ = ["StrategyExtended"]
 
@@ -52,10 +52,7 @@ class StrategyExtended:
         return self._parts.topology.worker_index == 0
 
     def _require_cross_replica(self, method: str) -> None:
-        if not self._parts.topology.follows_caller and context.current_replica_context():
-            raise RuntimeError(
-                f"{self._parts.name}.{method} requires cross-replica context; use "
-                "get_replica_context().merge_call() or call it outside strategy.run")
+        distribute.require_cross_replica(self._parts, method)
 
     def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any,
                   options: CommunicationOptions | None = None) -> Any:

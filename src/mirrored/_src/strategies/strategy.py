@@ -115,7 +115,9 @@ class Strategy:
         replica's own component. Leaves that differ across replicas come back as
         `PerReplica` (one replica: the plain result). ``options`` is unused (TF's).
         A replica's exception is raised with a note naming the replica; `ValueError`
-        for bad ``args`` or mismatched results, `RuntimeError` inside another run.
+        for bad ``args`` or mismatched results, `RuntimeError` inside another run or
+        another strategy's scope. Inside a ``merge_fn`` the replicas run one after
+        another on the merging thread (as TF allows; no collectives there).
 
         Example:
             >>> import torch, mirrored
@@ -125,20 +127,10 @@ class Strategy:
             >>> strategy.run(lambda v: v * 10, args=(x,))
             PerReplica:{0: tensor(0.), 1: tensor(10.)}
         """
-        topology = self._parts.topology
-        if not topology.follows_caller and context.in_run():
-            raise RuntimeError(
-                f"{self._parts.name}.run cannot be called inside a replica (from the fn of "
-                "another run, or from a merge_fn); call the inner function directly")
-        if not isinstance(args, tuple | list):
-            raise ValueError(f"run(fn, args=...) takes a tuple or list of positional arguments; "
-                            f"got {type(args).__name__}. Write args=(x,) for a single argument")
-        if kwargs is None:
-            kwargs = {}
-        elif not isinstance(kwargs, dict):
-            raise TypeError(f"run(fn, kwargs=...) takes a dict; got {type(kwargs).__name__}")
-        replica_args = distribute.split_args(self._parts, args, kwargs)
+        replica_args = distribute.check_run(self._parts, args, kwargs)
         contexts = self._contexts
+        if distribute.nested_in_merge_fn(self._parts):
+            return distribute.run_in_merge_fn(self._parts, contexts, fn, replica_args)
 
         def call(i: int) -> Any:
             a, k = replica_args(i)
@@ -149,7 +141,7 @@ class Strategy:
             results = self._parts.runtime.run(call)
         finally:
             distribute.run_finished(self._parts, key)
-        return regroup(results, topology.device_names)
+        return regroup(results, self._parts.topology.device_names)
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: Any = None) -> Any:
         """Reduces ``value`` across replicas (and over ``axis``) onto the current device.

@@ -109,7 +109,7 @@ def test_empty_like_keeps_dtype_device_and_trailing_shape() -> None:
 
 def test_scalar_leaf_raises_naming_path_and_shape() -> None:
     with pytest.raises(ValueError, match=r"batch has a scalar \(shape \[\]\) "
-                                         r"\(shapes: batch: \[\]\)$"):
+                                         r"\(shapes: batch: \[\]\)\. Batch the dataset"):
         split_batch(torch.tensor(3.0), 2)
     with pytest.raises(ValueError, match=r"batch\['label'\] has a scalar \(shape \[\]\).*"
                                          r"batch\['label'\]: \[\]; batch\['x'\]: \[4, 2\]"):

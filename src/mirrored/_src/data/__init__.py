@@ -9,11 +9,11 @@ from .dataset import (
 from .dataset import (
     DistributedDatasetsFromFunction as DistributedDatasetsFromFunction,
 )
-from .dataset import (
-    DistributedIterator as DistributedIterator,
-)
 from .input import InputContext as InputContext
 from .input import InputOptions as InputOptions
+from .input import InputReplicationMode as InputReplicationMode
+from .iterator import DistributedIterator as DistributedIterator
+from .iterator import DistributedOptional as DistributedOptional
 from .split import chunk_bounds as chunk_bounds
 from .split import split_batch as split_batch
 
@@ -21,8 +21,10 @@ __all__ = [
     "DistributedDataset",
     "DistributedDatasetsFromFunction",
     "DistributedIterator",
+    "DistributedOptional",
     "InputContext",
     "InputOptions",
+    "InputReplicationMode",
     "chunk_bounds",
     "split_batch",
 ]

@@ -2,14 +2,17 @@
 
 `DistributedDataset` splits each *global* batch by the rule in `split` over all
 ``N`` replicas and keeps this worker's chunks; `DistributedDatasetsFromFunction`
-hands whole, already per-replica batches to the local replicas in turn. Both
-move chunks to the replica devices, optionally on a `Prefetcher` thread, and
-yield nests of `PerReplica`. With several workers an optional ``any_worker``
-vote keeps every worker stepping (on empty batches) while any still has data.
+hands whole per-replica elements (of any rank) to the local replicas in turn, or
+gives each replica a pipeline of its own (``PER_REPLICA``). Both move chunks to
+the replica devices, optionally on a `Prefetcher` thread, and yield nests of
+`PerReplica` (plain values for one replica in one process, as TF). With several
+workers an optional ``any_worker`` vote keeps every worker stepping (on empty
+batches) while any still has data.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import Any
@@ -19,13 +22,12 @@ import torch
 from .. import pytree
 from ..topology import Topology
 from ..values import PerReplica
-from .input import InputContext, InputOptions
-from .prefetch import InlineSteps, Prefetcher
-from .split import empty_like, flatten_batch, split_leaves
+from .input import InputContext, InputOptions, InputReplicationMode
+from .iterator import AnyWorker, DistributedIterator
+from .split import empty_like, flatten_batch, flatten_element, split_leaves
 
-__all__ = ["DistributedDataset", "DistributedDatasetsFromFunction", "DistributedIterator"]
+__all__ = ["DistributedDataset", "DistributedDatasetsFromFunction"]
 
-AnyWorker = Callable[[bool], bool]
 _CPU = torch.device("cpu")
 
 
@@ -44,136 +46,119 @@ def _close_source(iterator: Any) -> None:
         close()
 
 
+def _plain(topology: Topology) -> bool:
+    """One replica in one process yields plain values, not `PerReplica` (as TF)."""
+    return topology.num_local_replicas == 1 and topology.num_workers == 1
+
+
+def _pack(spec: Any, per_leaf: Sequence[Sequence[torch.Tensor]], topology: Topology,
+          devices: Sequence[torch.device] | None) -> Any:
+    if _plain(topology):
+        return pytree.unflatten(spec, [_to_devices(chunks, devices)[0] for chunks in per_leaf])
+    names = topology.device_names
+    return pytree.unflatten(spec, [PerReplica(_to_devices(chunks, devices), devices=names)
+                                   for chunks in per_leaf])
+
+
 def _global_batch_steps(source: Iterable[Any], topology: Topology,
                         fetch: bool) -> Generator[Any, None, None]:
-    n, ids, names = topology.num_replicas_in_sync, topology.replica_ids, topology.device_names
-    devices = topology.torch_devices if fetch else None
+    n, ids = topology.num_replicas_in_sync, topology.replica_ids
+    devices = topology.torch_devices if fetch and not topology.follows_caller else None
     iterator = iter(source)
     try:
         for index, batch in enumerate(iterator):
-            leaves, spec, batch_size = flatten_batch(batch, f"batch {index} of the dataset")
-            if topology.follows_caller:
-                yield pytree.unflatten(spec, leaves)
+            what = f"batch {index} of the dataset"
+            if n == 1:  # nothing to split: elements of any rank pass as they are (TF)
+                leaves, spec = flatten_element(batch, what)
+                yield _pack(spec, [(leaf,) for leaf in leaves], topology, devices)
                 continue
-            per_leaf = split_leaves(leaves, batch_size, n, ids)
-            yield pytree.unflatten(spec, [PerReplica(_to_devices(chunks, devices), devices=names)
-                                          for chunks in per_leaf])
+            leaves, spec, batch_size = flatten_batch(batch, what)
+            yield _pack(spec, split_leaves(leaves, batch_size, n, ids), topology, devices)
     finally:
         _close_source(iterator)
 
 
-def _whole_element_steps(elements: Iterable[Any], topology: Topology,
+class _Pipelines:
+    """Where each local replica takes its next element: one shared iterator
+    (``PER_WORKER``) or one per replica (``PER_REPLICA``), each advanced under its
+    replica's device when ``place`` (``experimental_place_dataset_on_device``)."""
+
+    def __init__(self, sources: Sequence[Iterable[Any]], topology: Topology,
+                 place: bool) -> None:
+        self.shared = len(sources) == 1
+        self._devices = topology.torch_devices if place else None
+        self._iterators: list[Any] = []
+        for k, source in enumerate(sources):
+            with self._on(k):
+                self._iterators.append(iter(source))
+        self._done = [False] * len(self._iterators)
+
+    def _on(self, k: int) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext() if self._devices is None else torch.device(
+            self._devices[k])
+
+    def next(self, replica: int) -> tuple[bool, Any]:
+        """``(True, element)`` or ``(False, None)`` once the replica's pipeline ran out."""
+        k = 0 if self.shared else replica
+        if self._done[k]:
+            return False, None
+        try:
+            with self._on(k):
+                return True, next(self._iterators[k])
+        except StopIteration:
+            self._done[k] = True
+            return False, None
+
+    def close(self) -> None:
+        for iterator in self._iterators:
+            _close_source(iterator)
+
+
+def _whole_element_steps(pipelines: _Pipelines, topology: Topology,
                          fetch: bool) -> Generator[Any, None, None]:
-    num_local, names = topology.num_local_replicas, topology.device_names
-    devices = topology.torch_devices if fetch else None
-    iterator = iter(elements)
+    num_local = topology.num_local_replicas
+    devices = topology.torch_devices if fetch and not topology.follows_caller else None
     index = 0
     try:
         while True:
-            taken: list[list[torch.Tensor]] = []
+            taken: list[list[torch.Tensor] | None] = []
             spec: Any = None
             first: Any = None
-            for _ in range(num_local):
-                try:
-                    element = next(iterator)
-                except StopIteration:
-                    break
-                leaves, element_spec, _ = flatten_batch(element, f"dataset element {index}")
+            first_index = index
+            for replica in range(num_local):
+                got, element = pipelines.next(replica)
+                if not got:
+                    if pipelines.shared:
+                        break
+                    taken.append(None)
+                    continue
+                leaves, element_spec = flatten_element(element, f"dataset element {index}")
                 if spec is None:
-                    spec, first = element_spec, element
+                    spec, first, first_index = element_spec, element, index
                 elif element_spec != spec:
-                    where, got0, got = pytree.first_difference(first, element, "element") or (
+                    where, got0, got_i = pytree.first_difference(first, element, "element") or (
                         "the element", str(spec), str(element_spec))
                     raise ValueError(
                         f"dataset elements of one step must share a structure: at {where}, "
-                        f"element {index - len(taken)} has {got0} but element {index} has {got}"
-                    )
+                        f"element {first_index} has {got0} but element {index} has {got_i}")
                 taken.append(leaves)
                 index += 1
-            if not taken:
+            present = [leaves for leaves in taken if leaves is not None]
+            if not present:
                 return
-            ran_out = len(taken) < num_local
-            while len(taken) < num_local:  # ran out mid-step: empties like the last element
-                taken.append([empty_like(leaf) for leaf in taken[-1]])
-            yield pytree.unflatten(spec, [PerReplica(_to_devices(chunks, devices), devices=names)
-                                          for chunks in zip(*taken, strict=True)])
-            if ran_out:
+            ran_out = len(present) < num_local
+            if ran_out and any(t.dim() == 0 for leaves in present for t in leaves):
+                # Scalars have no batch dim to empty: the incomplete step is dropped, as
+                # TF does for elements of static shape.
+                return
+            filled = [leaves if leaves is not None else [empty_like(t) for t in present[-1]]
+                      for leaves in taken]
+            filled += [[empty_like(t) for t in present[-1]]] * (num_local - len(filled))
+            yield _pack(spec, list(zip(*filled, strict=True)), topology, devices)
+            if ran_out and pipelines.shared:
                 return
     finally:
-        _close_source(iterator)
-
-
-def _empty_step(step: Any) -> Any:
-    def empty(leaf: Any) -> Any:
-        if isinstance(leaf, PerReplica):
-            return PerReplica([empty_like(v) for v in leaf.values], devices=leaf.devices)
-        return empty_like(leaf)
-
-    return pytree.tree_map(empty, step)
-
-
-class DistributedIterator:
-    """One pass over a distributed dataset; yields one nest of `PerReplica` per step.
-
-    Made by iterating a `DistributedDataset` or `DistributedDatasetsFromFunction`.
-    Call `close` (or drop it) to stop its prefetch thread early.
-
-    Example:
-        >>> import torch
-        >>> from mirrored._src.devices import parse_devices
-        >>> t = Topology(devices=parse_devices(["CPU:0", "CPU:1"]))
-        >>> it = iter(DistributedDataset([torch.arange(4)], t))
-        >>> next(it).values
-        (tensor([0, 1]), tensor([2, 3]))
-        >>> it.close()
-    """
-
-    def __init__(self, steps: Generator[Any, None, None], options: InputOptions,
-                 any_worker: AnyWorker | None) -> None:
-        depth = options.experimental_prefetch_depth
-        self._steps = Prefetcher(steps, depth) if depth else InlineSteps(steps)
-        self._any_worker = any_worker
-        self._last: Any = None
-        self._exhausted = False
-        self._finished = False
-
-    def __iter__(self) -> DistributedIterator:
-        return self
-
-    def __next__(self) -> Any:
-        if self._finished:
-            raise StopIteration
-        if not self._exhausted:
-            try:
-                step = self._steps.next_step()
-            except StopIteration:
-                self._exhausted = True
-            except BaseException:
-                self._finished = True
-                raise
-            else:
-                if self._any_worker is not None:
-                    self._any_worker(True)
-                    self._last = step
-                return step
-        # This worker's data ran out; others may still have some.
-        if self._any_worker is None or not self._any_worker(False):
-            self._finished = True
-            self._last = None
-            raise StopIteration
-        if self._last is None:
-            raise RuntimeError(
-                "this worker's dataset yielded no batches while other workers still have "
-                "data; it cannot make empty batches shaped like theirs. Give every worker "
-                "at least one batch"
-            )
-        return _empty_step(self._last)
-
-    def close(self) -> None:
-        """Ends the pass and stops the prefetch thread; later steps raise `StopIteration`."""
-        self._finished = True
-        self._last = None
-        self._steps.close()
+        pipelines.close()
 
 
 def _options(options: InputOptions | None) -> InputOptions:
@@ -198,6 +183,9 @@ class DistributedDataset:
     replica ``i`` gets rows ``[i*c, min((i+1)*c, b))`` with ``c = ceil(b / N)``, moved
     to its device. On the source's device chunks are views of the batch (no copy).
 
+    With one replica in all (``N = 1``) nothing is split: elements of any rank pass
+    as they are (TF rebatches only for ``N > 1``, and refuses unbatched data there).
+
     Args:
         source: an iterable of batches, each a tensor or nest of tensors (numbers and
             NumPy arrays are converted) with a shared leading batch dim.
@@ -209,6 +197,8 @@ class DistributedDataset:
 
     Raises:
         TypeError: ``source`` is not iterable, or ``options`` not an `InputOptions`.
+        NotImplementedError: ``PER_REPLICA`` replication (``distribute_datasets_from_function``
+            only, as in TF).
 
     Example:
         >>> import torch
@@ -226,6 +216,11 @@ class DistributedDataset:
         self._source = source
         self._topology = topology
         self._options = _options(options)
+        if self._options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
+            raise NotImplementedError(
+                "InputReplicationMode.PER_REPLICA is only supported by "
+                "distribute_datasets_from_function (as in TF); experimental_distribute_dataset "
+                "splits one global pipeline")
         self._any_worker = any_worker
 
     def __iter__(self) -> DistributedIterator:
@@ -243,13 +238,17 @@ class DistributedDataset:
 
 
 class DistributedDatasetsFromFunction:
-    """Per-replica batches from ``dataset_fn(InputContext)``, whole elements per replica.
+    """Per-replica elements from ``dataset_fn(InputContext)``, whole elements per replica.
 
-    ``dataset_fn`` is called once, here, with this worker's `InputContext`; its result
-    is an iterable already batched per replica. At each step local replica 0, 1, ...
-    each take the next whole element; when it runs out mid-step the remaining replicas
-    get an empty batch shaped like the last element (batch dim 0); iteration stops when
-    no replica got data.
+    ``dataset_fn`` is called here, once per worker with this worker's `InputContext`
+    (``PER_WORKER``, the default), or once per local replica with
+    ``InputContext(N, replica id, N)`` (``PER_REPLICA``). Its result is an iterable of
+    per-replica elements: tensors (or nests) of any rank, handed over as they are (a
+    batch, or one example: no batch dim is needed). At each step local replica
+    0, 1, ... each take the next element of the worker's pipeline (or of its own);
+    a replica left without one gets an empty batch shaped like the last element (batch
+    dim 0), or, when that element has a scalar leaf (no batch dim to empty), the
+    incomplete step is dropped, as TF does. Iteration stops when no replica got data.
 
     Args:
         dataset_fn: ``InputContext -> iterable of per-replica batches``.
@@ -278,25 +277,39 @@ class DistributedDatasetsFromFunction:
             raise TypeError(f"dataset_fn must be callable (InputContext -> iterable); got "
                             f"{type(dataset_fn).__name__}")
         self._options = _options(options)
-        self.input_context = InputContext(num_input_pipelines=topology.num_workers,
-                                          input_pipeline_id=topology.worker_index,
-                                          num_replicas_in_sync=topology.num_replicas_in_sync)
-        elements = dataset_fn(self.input_context)
-        _check_iterable(elements, "dataset_fn's result")
+        n = topology.num_replicas_in_sync
+        if self._options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
+            self.input_contexts = tuple(InputContext(n, i, n) for i in topology.replica_ids)
+        else:
+            self.input_contexts = (InputContext(topology.num_workers, topology.worker_index, n),)
+        self.input_context = self.input_contexts[0]
+        place = self._options.experimental_place_dataset_on_device
+        elements = []
+        for k, input_context in enumerate(self.input_contexts):
+            with (torch.device(topology.torch_devices[k]) if place
+                  else contextlib.nullcontext()):
+                result = dataset_fn(input_context)
+            _check_iterable(result, "dataset_fn's result")
+            elements.append(result)
         self._elements = elements
         self._topology = topology
         self._any_worker = any_worker
 
     def __iter__(self) -> DistributedIterator:
-        steps = _whole_element_steps(self._elements, self._topology,
+        pipelines = _Pipelines(self._elements, self._topology,
+                               self._options.experimental_place_dataset_on_device)
+        steps = _whole_element_steps(pipelines, self._topology,
                                      self._options.experimental_fetch_to_device)
         return DistributedIterator(steps, self._options, self._any_worker)
 
     def __len__(self) -> int:
-        """Steps on this worker: ``ceil(len(elements) / local replicas)``; else `TypeError`."""
+        """Steps on this worker: ``ceil(len(elements) / local replicas)`` (``PER_REPLICA``:
+        the longest pipeline's length); else `TypeError`."""
         try:
-            count = len(self._elements)  # type: ignore[arg-type]
+            counts = [len(e) for e in self._elements]  # type: ignore[arg-type]
         except TypeError:
-            raise TypeError(f"dataset_fn's result ({type(self._elements).__name__}) has no "
+            raise TypeError(f"dataset_fn's result ({type(self._elements[0]).__name__}) has no "
                             "len()") from None
-        return math.ceil(count / self._topology.num_local_replicas)
+        if len(counts) > 1:
+            return max(counts)
+        return math.ceil(counts[0] / self._topology.num_local_replicas)

@@ -8,8 +8,29 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 
-__all__ = ["InputContext", "InputOptions"]
+__all__ = ["InputContext", "InputOptions", "InputReplicationMode"]
+
+
+class InputReplicationMode(enum.Enum):
+    """How many input pipelines ``distribute_datasets_from_function`` builds (TF's
+    ``tf.distribute.InputReplicationMode``).
+
+    - ``PER_WORKER``: ``dataset_fn`` is called once per worker; the local replicas
+      take its elements in turn.
+    - ``PER_REPLICA``: ``dataset_fn`` is called once per replica, with
+      ``InputContext(num_input_pipelines=N, input_pipeline_id=replica id)``; each
+      replica iterates its own pipeline.
+
+    Example:
+        >>> from mirrored import InputReplicationMode
+        >>> InputReplicationMode("PER_REPLICA")
+        <InputReplicationMode.PER_REPLICA: 'PER_REPLICA'>
+    """
+
+    PER_WORKER = "PER_WORKER"
+    PER_REPLICA = "PER_REPLICA"
 
 
 def _is_int(value: object) -> bool:
@@ -89,39 +110,79 @@ class InputContext:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class InputOptions:
-    """How a distributed dataset delivers its batches.
+    """How a distributed dataset delivers its batches (TF's ``tf.distribute.InputOptions``).
 
     Args:
         experimental_fetch_to_device: move each replica's chunk to the replica's device
             (default). When false, chunks stay where the source put them.
+        experimental_replication_mode: an `InputReplicationMode` (or its name):
+            ``PER_WORKER`` (default) or ``PER_REPLICA`` (one ``dataset_fn`` pipeline per
+            replica; ``distribute_datasets_from_function`` only, as in TF).
+        experimental_place_dataset_on_device: with ``PER_REPLICA``, build and iterate
+            each replica's pipeline with the replica's device as torch's default
+            device, so its tensors are made there; needs
+            ``experimental_fetch_to_device=False`` (as in TF).
+        experimental_per_replica_buffer_size: TF's device prefetch buffer; ``0``
+            disables prefetching (as in TF), any other value leaves it to
+            ``experimental_prefetch_depth``. Default 1.
         experimental_prefetch_depth: how many steps a background thread prepares (reads,
             splits and moves) ahead of the training loop (default 2); 0 prepares each step
             on the caller's thread when it is asked for, with no background thread.
 
     Raises:
-        TypeError: a flag that is not a bool or a depth that is not an int.
-        ValueError: a negative depth.
+        TypeError: a flag that is not a bool, a size or depth that is not an int.
+        ValueError: a negative size or depth, an unknown replication mode, or
+            ``experimental_place_dataset_on_device`` without ``PER_REPLICA`` or with
+            ``experimental_fetch_to_device``.
 
     Example:
         >>> from mirrored._src.data import InputOptions
         >>> InputOptions(experimental_prefetch_depth=0).experimental_fetch_to_device
         True
+        >>> InputOptions(experimental_replication_mode="PER_REPLICA").experimental_replication_mode
+        <InputReplicationMode.PER_REPLICA: 'PER_REPLICA'>
     """
 
     experimental_fetch_to_device: bool = True
+    experimental_replication_mode: InputReplicationMode = InputReplicationMode.PER_WORKER
+    experimental_place_dataset_on_device: bool = False
+    experimental_per_replica_buffer_size: int = 1
     experimental_prefetch_depth: int = 2
 
     def __post_init__(self) -> None:
-        if not isinstance(self.experimental_fetch_to_device, bool):
-            raise TypeError(
-                "InputOptions.experimental_fetch_to_device must be a bool; got "
-                f"{type(self.experimental_fetch_to_device).__name__} "
-                f"{self.experimental_fetch_to_device!r}"
-            )
-        depth = self.experimental_prefetch_depth
-        if not _is_int(depth):
-            raise TypeError(f"InputOptions.experimental_prefetch_depth must be an int; got "
-                            f"{type(depth).__name__} {depth!r}")
-        if depth < 0:
-            raise ValueError(f"InputOptions.experimental_prefetch_depth must be >= 0 (0: no "
-                             f"background thread); got {depth}")
+        for name in ("experimental_fetch_to_device", "experimental_place_dataset_on_device"):
+            flag = getattr(self, name)
+            if not isinstance(flag, bool):
+                raise TypeError(f"InputOptions.{name} must be a bool; got "
+                                f"{type(flag).__name__} {flag!r}")
+        for name, meaning in (("experimental_prefetch_depth", "0: no background thread"),
+                              ("experimental_per_replica_buffer_size", "0: no prefetching")):
+            size = getattr(self, name)
+            if not _is_int(size):
+                raise TypeError(f"InputOptions.{name} must be an int; got "
+                                f"{type(size).__name__} {size!r}")
+            if size < 0:
+                raise ValueError(f"InputOptions.{name} must be >= 0 ({meaning}); got {size}")
+        mode = self.experimental_replication_mode
+        try:
+            mode = InputReplicationMode(mode.value if isinstance(mode, enum.Enum) else mode)
+        except ValueError:
+            raise ValueError("InputOptions.experimental_replication_mode must be "
+                             "InputReplicationMode.PER_WORKER or PER_REPLICA (or their names); "
+                             f"got {mode!r}") from None
+        object.__setattr__(self, "experimental_replication_mode", mode)
+        if self.experimental_place_dataset_on_device:
+            if mode is not InputReplicationMode.PER_REPLICA:
+                raise ValueError("InputOptions.experimental_place_dataset_on_device=True needs "
+                                 "experimental_replication_mode=PER_REPLICA (as in TF)")
+            if self.experimental_fetch_to_device:
+                raise ValueError("InputOptions.experimental_place_dataset_on_device=True needs "
+                                 "experimental_fetch_to_device=False: the pipeline already "
+                                 "makes its tensors on the replica's device (as in TF)")
+
+    @property
+    def prefetch_depth(self) -> int:
+        """The steps prepared ahead: ``experimental_prefetch_depth``, or 0 when
+        ``experimental_per_replica_buffer_size`` is 0."""
+        return self.experimental_prefetch_depth if self.experimental_per_replica_buffer_size \
+            else 0

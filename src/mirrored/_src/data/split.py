@@ -17,7 +17,8 @@ import torch
 from .. import pytree
 from ..values import to_tensor
 
-__all__ = ["chunk_bounds", "empty_like", "flatten_batch", "split_batch", "split_leaves"]
+__all__ = ["chunk_bounds", "empty_like", "flatten_batch", "flatten_element", "split_batch",
+           "split_leaves"]
 
 
 def chunk_bounds(batch_size: int, num_replicas_in_sync: int, replica_id: int) -> tuple[int, int]:
@@ -55,17 +56,7 @@ def flatten_batch(batch: Any, what: str = "a batch") -> tuple[list[torch.Tensor]
         >>> [tuple(t.shape) for t in leaves], b
         ([(4, 3), (4,)], 4)
     """
-    paths, leaves, spec = pytree.flatten_with_path(batch)
-    if not leaves:
-        raise ValueError(f"{what} has no tensors; expected a tensor or a nest of tensors "
-                         f"with a leading batch dim, got {type(batch).__name__}")
-    tensors = []
-    for path, leaf in zip(paths, leaves, strict=True):
-        if isinstance(leaf, torch.Tensor):
-            tensors.append(leaf)
-        else:
-            tensors.append(to_tensor(leaf, pytree.format_path(path, "batch"),
-                                     "distributing a dataset"))
+    paths, tensors, spec = _tensors(batch, what)
     first = tensors[0]
     batch_size = first.shape[0] if first.dim() else -1
     for path, tensor in zip(paths, tensors, strict=True):
@@ -75,10 +66,41 @@ def flatten_batch(batch: Any, what: str = "a batch") -> tuple[list[torch.Tensor]
             problem = ("a scalar (shape [])" if tensor.dim() == 0 else
                        f"batch dim {tensor.shape[0]}, not {batch_size}")
             raise ValueError(
-                f"{what} needs one leading batch dim shared by every tensor; "
-                f"{pytree.format_path(path, 'batch')} has {problem} (shapes: {shapes})"
+                f"{what} needs one leading batch dim shared by every tensor, to be split "
+                f"across replicas; {pytree.format_path(path, 'batch')} has {problem} (shapes: "
+                f"{shapes}). Batch the dataset (e.g. DataLoader(batch_size=...)), or give "
+                "per-replica elements through distribute_datasets_from_function"
             )
     return tensors, spec, batch_size
+
+
+def _tensors(element: Any, what: str) -> tuple[list[Any], list[torch.Tensor], Any]:
+    paths, leaves, spec = pytree.flatten_with_path(element)
+    if not leaves:
+        raise ValueError(f"{what} has no tensors; expected a tensor or a nest of tensors, "
+                         f"got {type(element).__name__}")
+    tensors = [leaf if isinstance(leaf, torch.Tensor) else
+               to_tensor(leaf, pytree.format_path(path, "batch"), "distributing a dataset")
+               for path, leaf in zip(paths, leaves, strict=True)]
+    return paths, tensors, spec
+
+
+def flatten_element(element: Any, what: str = "a dataset element"
+                    ) -> tuple[list[torch.Tensor], Any]:
+    """The leaves of ``element`` as tensors of any rank (no batch dim needed), and its
+    structure; Python numbers and NumPy arrays are converted with `torch.as_tensor`.
+
+    Raises:
+        TypeError: a leaf that is not a tensor, number or array.
+        ValueError: no leaves.
+
+    Example:
+        >>> leaves, _ = flatten_element((1.5, [2, 3]))
+        >>> leaves
+        [tensor(1.5000), tensor(2), tensor(3)]
+    """
+    _, tensors, spec = _tensors(element, what)
+    return tensors, spec
 
 
 def _check_ids(num_replicas_in_sync: int, replica_ids: Sequence[int]) -> None:

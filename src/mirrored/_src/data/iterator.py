@@ -1,0 +1,184 @@
+"""`DistributedIterator`: one pass over a distributed dataset, and `DistributedOptional`,
+what its ``get_next_as_optional`` returns (TF's iterator members, SPEC §9).
+
+The iterator pulls prepared steps from a `Prefetcher` (or inline), keeps every
+worker stepping while any still has data (the ``any_worker`` vote, with empty
+batches shaped like this worker's last one), and refuses to be advanced from
+inside a replica, as TF does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from typing import Any, Generic, TypeVar
+
+from .. import context, pytree
+from ..values import PerReplica
+from .input import InputOptions
+from .prefetch import InlineSteps, Prefetcher
+from .split import empty_like
+
+__all__ = ["DistributedIterator", "DistributedOptional"]
+
+AnyWorker = Callable[[bool], bool]
+T = TypeVar("T")
+
+
+class DistributedOptional(Generic[T]):
+    """A step that may be missing: what `DistributedIterator.get_next_as_optional` returns
+    (TF's ``tf.experimental.Optional``).
+
+    Example:
+        >>> DistributedOptional(3).get_value(), DistributedOptional.empty().has_value()
+        (3, False)
+    """
+
+    __slots__ = ("_has", "_value")
+
+    def __init__(self, value: T) -> None:
+        self._value: T | None = value
+        self._has = True
+
+    @classmethod
+    def empty(cls) -> DistributedOptional[Any]:
+        """An optional with no value (the iterator ran out)."""
+        made: DistributedOptional[Any] = cls(None)
+        made._has = False
+        return made
+
+    def has_value(self) -> bool:
+        """Whether there is a step."""
+        return self._has
+
+    def get_value(self) -> T:
+        """The step.
+
+        Raises:
+            ValueError: there is none (the iterator ran out); check `has_value` first.
+        """
+        if not self._has:
+            raise ValueError("this optional has no value: the distributed iterator ran out; "
+                             "check has_value() before get_value()")
+        return self._value  # type: ignore[return-value]
+
+    def __repr__(self) -> str:
+        return f"DistributedOptional({self._value!r})" if self._has else \
+            "DistributedOptional(<empty>)"
+
+
+def _empty_step(step: Any) -> Any:
+    def empty(leaf: Any) -> Any:
+        if isinstance(leaf, PerReplica):
+            return PerReplica([empty(v) for v in leaf.values], devices=leaf.devices)
+        if leaf.dim() == 0:
+            raise RuntimeError(
+                "this worker's dataset ran out while other workers still have data, and its "
+                "elements have no batch dim (a scalar), so no empty batch can stand for them; "
+                "give every worker the same number of steps (e.g. shard evenly, or batch "
+                "the elements)")
+        return empty_like(leaf)
+
+    return pytree.tree_map(empty, step)
+
+
+class DistributedIterator:
+    """One pass over a distributed dataset; yields one nest of `PerReplica` per step
+    (plain values with a single replica in a single process, as TF).
+
+    Made by iterating a `DistributedDataset` or `DistributedDatasetsFromFunction`.
+    Call `close` (or drop it) to stop its prefetch thread early. ``next(it)`` and
+    `get_next` refuse to run inside a replica (``strategy.run``), as in TF: every
+    replica would take its own step.
+
+    Example:
+        >>> import torch
+        >>> from mirrored._src.devices import parse_devices
+        >>> from mirrored._src.topology import Topology
+        >>> from mirrored._src.data import DistributedDataset
+        >>> t = Topology(devices=parse_devices(["CPU:0", "CPU:1"]))
+        >>> it = iter(DistributedDataset([torch.arange(4)], t))
+        >>> it.get_next().values
+        (tensor([0, 1]), tensor([2, 3]))
+        >>> it.get_next_as_optional().has_value()
+        False
+        >>> it.close()
+    """
+
+    def __init__(self, steps: Generator[Any, None, None], options: InputOptions,
+                 any_worker: AnyWorker | None) -> None:
+        depth = options.prefetch_depth
+        self._steps = Prefetcher(steps, depth) if depth else InlineSteps(steps)
+        self._any_worker = any_worker
+        self._last: Any = None
+        self._exhausted = False
+        self._finished = False
+
+    def __iter__(self) -> DistributedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if context.current_replica_context() is not None:
+            raise ValueError(
+                "next() of a distributed iterator was called inside strategy.run (replica "
+                "context), where every replica would take a step of its own; take the step "
+                "outside and pass it in: strategy.run(fn, args=(next(iterator),))")
+        if self._finished:
+            raise StopIteration
+        if not self._exhausted:
+            try:
+                step = self._steps.next_step()
+            except StopIteration:
+                self._exhausted = True
+            except BaseException:
+                self._finished = True
+                raise
+            else:
+                if self._any_worker is not None:
+                    self._any_worker(True)
+                    self._last = step
+                return step
+        # This worker's data ran out; others may still have some.
+        if self._any_worker is None or not self._any_worker(False):
+            self._finished = True
+            self._last = None
+            raise StopIteration
+        if self._last is None:
+            raise RuntimeError(
+                "this worker's dataset yielded no batches while other workers still have "
+                "data; it cannot make empty batches shaped like theirs. Give every worker "
+                "at least one batch"
+            )
+        return _empty_step(self._last)
+
+    def get_next(self) -> Any:
+        """The next step (TF's ``get_next``): ``next(iterator)``.
+
+        Raises:
+            StopIteration: the dataset ran out (TF: ``OutOfRangeError``).
+            ValueError: called inside ``strategy.run``.
+        """
+        return next(self)
+
+    def get_next_as_optional(self) -> DistributedOptional[Any]:
+        """The next step as a `DistributedOptional`, empty once the dataset ran out.
+
+        Example:
+            >>> import torch, mirrored
+            >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> it = iter(strategy.experimental_distribute_dataset([torch.arange(2)]))
+            >>> first = it.get_next_as_optional()
+            >>> first.has_value(), first.get_value().values
+            (True, (tensor([0]), tensor([1])))
+            >>> it.get_next_as_optional().has_value()
+            False
+        """
+        try:
+            return DistributedOptional(next(self))
+        except StopIteration:
+            return DistributedOptional.empty()
+
+    def close(self) -> None:
+        """Ends the pass and stops the prefetch thread; later steps raise `StopIteration`."""
+        self._finished = True
+        self._last = None
+        self._steps.close()

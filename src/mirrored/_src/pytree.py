@@ -2,12 +2,14 @@
 
 Containers (lists, tuples, namedtuples, dicts and dataclasses) are nodes;
 distributed values (`PerReplica`, `Mirrored`) and tensors are leaves. Plain
-dataclasses are registered in the library's own optree namespace the first time
-one is seen, so user code needs no registration.
+dataclasses, and subclasses of ``dict`` and ``list`` (TF's ``nest`` keeps them as
+containers too), are registered in the library's own optree namespace the first
+time one is seen, so user code needs no registration.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 from collections.abc import Callable, Sequence
@@ -71,14 +73,70 @@ def _register_dataclass(cls: type) -> None:
             _registered.add(cls)
 
 
+_NATIVE = (dict, list, collections.OrderedDict, collections.defaultdict)
+
+
+def _is_container_subclass(cls: type) -> bool:
+    """A user's subclass of ``dict`` or ``list``, which optree would treat as a leaf."""
+    return issubclass(cls, dict | list) and cls not in _NATIVE and not issubclass(
+        cls, collections.OrderedDict | collections.defaultdict)
+
+
+def _sorted_keys(obj: dict[Any, Any]) -> tuple[Any, ...]:
+    try:
+        return tuple(sorted(obj))  # as optree orders a dict's keys
+    except TypeError:
+        return tuple(obj)
+
+
+def _rebuild(cls: type, items: Any) -> Any:
+    """``cls(items)``, as TF's nest rebuilds a container; for a constructor with another
+    signature, an empty instance filled through the base class."""
+    try:
+        return cls(items)
+    except TypeError:
+        obj = cls.__new__(cls)
+        base = dict if issubclass(cls, dict) else list
+        base.__init__(obj, items)  # type: ignore[misc]
+        return obj
+
+
+def _register_container(cls: type) -> None:
+    if issubclass(cls, dict):
+        def flatten_fn(obj: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]:
+            keys = _sorted_keys(obj)
+            return tuple(obj[k] for k in keys), keys, keys
+
+        def unflatten_fn(meta: Any, children: Any) -> Any:
+            return _rebuild(cls, list(zip(meta, children, strict=True)))
+
+        entry: type = optree.MappingEntry
+    else:
+        def flatten_fn(obj: Any) -> tuple[tuple[Any, ...], int, tuple[int, ...]]:
+            return tuple(obj), len(obj), tuple(range(len(obj)))
+
+        def unflatten_fn(meta: Any, children: Any) -> Any:
+            return _rebuild(cls, list(children))
+
+        entry = optree.SequenceEntry
+    with _register_lock:
+        if cls not in _registered:
+            optree.register_pytree_node(cls, flatten_fn, unflatten_fn,  # type: ignore[arg-type]
+                                        namespace=NAMESPACE, path_entry_type=entry)
+            _registered.add(cls)
+
+
 def _is_leaf(x: Any) -> bool:
     cls = type(x)
     known = _is_leaf_type.get(cls)
     if known is not None:
         return known
     leaf = issubclass(cls, _leaf_types)
-    if not leaf and cls not in _registered and dataclasses.is_dataclass(cls):
-        _register_dataclass(cls)
+    if not leaf and cls not in _registered:
+        if dataclasses.is_dataclass(cls):
+            _register_dataclass(cls)
+        elif _is_container_subclass(cls):
+            _register_container(cls)
     _is_leaf_type[cls] = leaf
     return leaf
 
@@ -89,11 +147,12 @@ _plain_types: set[type] = set()
 
 
 def _all_registered(leaves: list[Any]) -> bool:
-    """Whether no leaf is an instance of a dataclass still to be registered as a node."""
+    """Whether no leaf is an instance of a dataclass (or dict or list subclass) still to
+    be registered as a node."""
     new = {type(leaf) for leaf in leaves} - _plain_types
     for cls in new:
-        if dataclasses.is_dataclass(cls) and cls not in _registered and not issubclass(
-                cls, _leaf_types):
+        if (dataclasses.is_dataclass(cls) or _is_container_subclass(cls)) and \
+                cls not in _registered and not issubclass(cls, _leaf_types):
             return False
         _plain_types.add(cls)
     return True

@@ -16,7 +16,7 @@ its `CrossDeviceOps` through a `LocalCommunicator`; the TF-style `reduce`,
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, final
 
 import torch
@@ -151,6 +151,16 @@ class ReductionToOneDevice(CrossDeviceOps):
 
     Args:
         reduce_to_device: where to combine; default: the first destination.
+        accumulation_fn: how SUM (and MEAN, before its division) combines the
+            components once they are on ``reduce_to_device``: called with the list of
+            components in replica order, it returns one tensor of their shape and dtype
+            (TF's ``accumulation_fn``, default ``tf.math.add_n``; here ``None`` sums in
+            place, in replica order). MIN and MAX ignore it.
+
+    Raises:
+        TypeError: ``accumulation_fn`` is not callable, or returns something other
+            than a tensor.
+        ValueError: it returns a tensor of another shape or dtype.
 
     Example:
         >>> import torch, mirrored
@@ -161,12 +171,46 @@ class ReductionToOneDevice(CrossDeviceOps):
         tensor(1.5000)
     """
 
-    def __init__(self, reduce_to_device: str | torch.device | None = None) -> None:
+    def __init__(self, reduce_to_device: str | torch.device | None = None,
+                 accumulation_fn: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
+                 ) -> None:
         self._device = None if reduce_to_device is None else parse_device(reduce_to_device)
+        if accumulation_fn is not None and not callable(accumulation_fn):
+            raise TypeError("accumulation_fn must be a callable (list of tensors -> tensor) "
+                            f"or None; got {type(accumulation_fn).__name__}")
+        self._accumulate = accumulation_fn
+
+    def _accumulated(self, accumulate: Callable[[list[torch.Tensor]], torch.Tensor],
+                     components: Sequence[torch.Tensor], target: torch.device
+                     ) -> torch.Tensor:
+        first = components[0]
+        total = accumulate([c if c.device == target else c.to(target) for c in components])
+        if not isinstance(total, torch.Tensor):
+            raise TypeError(f"ReductionToOneDevice's accumulation_fn must return a tensor; "
+                            f"got {type(total).__name__}")
+        if total.shape != first.shape or total.dtype != first.dtype:
+            raise ValueError(
+                "ReductionToOneDevice's accumulation_fn must return a tensor shaped like "
+                f"its inputs: expected {first.dtype} {list(first.shape)}, got {total.dtype} "
+                f"{list(total.shape)}")
+        return total.to(target)
+
+    @staticmethod
+    def _fresh(total: torch.Tensor, components: Sequence[torch.Tensor],
+               devices: Sequence[Device]) -> list[torch.Tensor]:
+        """One copy per destination, never aliasing a component (an accumulation_fn may
+        return one of its inputs, or a view of it)."""
+        ptr = total.untyped_storage().data_ptr()
+        aliased = any(c.untyped_storage().data_ptr() == ptr for c in components)
+        return [total if i == 0 and not aliased and d.torch_device == total.device
+                else copy_to(total, d.torch_device) for i, d in enumerate(devices)]
 
     def reduce_to_devices(self, reduce_op: ReduceOp, components: Sequence[torch.Tensor],
                           devices: Sequence[Device]) -> list[torch.Tensor]:
         target = (self._device or devices[0]).torch_device
+        if self._accumulate is not None and reduce_op in (ReduceOp.SUM, ReduceOp.MEAN):
+            total = self._accumulated(self._accumulate, components, target)
+            return self._fresh(total, components, devices)
         total = combine(reduce_op, components, target)
         return [total if i == 0 and d.torch_device == target else copy_to(total, d.torch_device)
                 for i, d in enumerate(devices)]
@@ -178,6 +222,7 @@ class ReductionToOneDevice(CrossDeviceOps):
     def __repr__(self) -> str:
         device = "" if self._device is None else repr(self._device.short_name)
         return f"ReductionToOneDevice({device})"
+
 
 
 _NCCL_OPS = {ReduceOp.SUM: 0, ReduceOp.MAX: 2, ReduceOp.MIN: 3}

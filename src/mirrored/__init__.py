@@ -14,6 +14,7 @@ from . import experimental as experimental
 from . import testing as testing
 from ._src.comm.cross_device_ops import CrossDeviceOps as CrossDeviceOps
 from ._src.comm.cross_device_ops import ReductionToOneDevice as ReductionToOneDevice
+from ._src.context import experimental_set_strategy as experimental_set_strategy
 from ._src.context import get_cross_replica_context as get_cross_replica_context
 from ._src.context import get_replica_context as get_replica_context
 from ._src.context import get_strategy as get_strategy
@@ -21,8 +22,10 @@ from ._src.context import has_strategy as has_strategy
 from ._src.context import in_cross_replica_context as in_cross_replica_context
 from ._src.data import DistributedDataset as DistributedDataset
 from ._src.data import DistributedDatasetsFromFunction as DistributedDatasetsFromFunction
+from ._src.data import DistributedIterator as DistributedIterator
 from ._src.data import InputContext as InputContext
 from ._src.data import InputOptions as InputOptions
+from ._src.data import InputReplicationMode as InputReplicationMode
 from ._src.errors import CollectiveMismatchError as CollectiveMismatchError
 from ._src.errors import CollectiveTimeoutError as CollectiveTimeoutError
 from ._src.errors import MirroredError as MirroredError
@@ -54,8 +57,10 @@ __all__ = [
     "CrossDeviceOps",
     "DistributedDataset",
     "DistributedDatasetsFromFunction",
+    "DistributedIterator",
     "InputContext",
     "InputOptions",
+    "InputReplicationMode",
     "MirroredModule",
     "MirroredOptimizer",
     "WorkerFailureError",
@@ -76,6 +81,7 @@ __all__ = [
     "Strategy",
     "StrategyExtended",
     "ValueContext",
+    "experimental_set_strategy",
     "get_cross_replica_context",
     "get_replica_context",
     "get_strategy",

@@ -255,7 +255,7 @@ def test_one_device_datasets_are_plain_and_accept_unbatched_elements():
 def test_unbatched_data_with_several_replicas_is_refused(two):
     # input_lib (rebatch): "Call the `batch` method on the input Dataset in order to be
     # able to split your input across N replicas"
-    with pytest.raises(ValueError, match="needs one leading batch dim.*Batch the dataset"):
+    with pytest.raises(ValueError, match=r"needs one leading batch dim.*Batch the dataset"):
         list(two.experimental_distribute_dataset([torch.tensor(1.0), torch.tensor(2.0)]))
 
 
@@ -268,8 +268,8 @@ def test_batch_of_one_on_two_replicas(two):
 def test_next_inside_run_raises(two):
     # TF: a distributed iterator cannot be advanced inside the replica function
     it = iter(two.experimental_distribute_dataset([torch.arange(4), torch.arange(4)]))
-    with pytest.raises(ValueError, match="next\\(\\) of a distributed iterator was called "
-                                         "inside strategy.run"):
+    with pytest.raises(ValueError, match=r"next\(\) of a distributed iterator was called "
+                                         r"inside strategy\.run"):
         two.run(lambda: next(it))
     step = next(it)  # nothing was consumed by the refused calls
     assert [t.tolist() for t in step.values] == [[0, 1], [2, 3]]

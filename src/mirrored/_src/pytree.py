@@ -89,39 +89,38 @@ def _sorted_keys(obj: dict[Any, Any]) -> tuple[Any, ...]:
         return tuple(obj)
 
 
-def _rebuild(cls: type, items: Any) -> Any:
+def _rebuild(cls: Any, items: Any) -> Any:
     """``cls(items)``, as TF's nest rebuilds a container; for a constructor with another
     signature, an empty instance filled through the base class."""
     try:
         return cls(items)
     except TypeError:
         obj = cls.__new__(cls)
-        base = dict if issubclass(cls, dict) else list
-        base.__init__(obj, items)  # type: ignore[misc]
+        if isinstance(obj, dict):
+            dict.update(obj, items)
+        else:
+            list.extend(obj, items)
         return obj
 
 
 def _register_container(cls: type) -> None:
-    if issubclass(cls, dict):
-        def flatten_fn(obj: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]:
+    mapping = issubclass(cls, dict)
+
+    def flatten_fn(obj: Any) -> tuple[tuple[Any, ...], Any, tuple[Any, ...]]:
+        if mapping:
             keys = _sorted_keys(obj)
             return tuple(obj[k] for k in keys), keys, keys
+        return tuple(obj), len(obj), tuple(range(len(obj)))
 
-        def unflatten_fn(meta: Any, children: Any) -> Any:
+    def unflatten_fn(meta: Any, children: Any) -> Any:
+        if mapping:
             return _rebuild(cls, list(zip(meta, children, strict=True)))
+        return _rebuild(cls, list(children))
 
-        entry: type = optree.MappingEntry
-    else:
-        def flatten_fn(obj: Any) -> tuple[tuple[Any, ...], int, tuple[int, ...]]:
-            return tuple(obj), len(obj), tuple(range(len(obj)))
-
-        def unflatten_fn(meta: Any, children: Any) -> Any:
-            return _rebuild(cls, list(children))
-
-        entry = optree.SequenceEntry
+    entry: type = optree.MappingEntry if mapping else optree.SequenceEntry
     with _register_lock:
         if cls not in _registered:
-            optree.register_pytree_node(cls, flatten_fn, unflatten_fn,  # type: ignore[arg-type]
+            optree.register_pytree_node(cls, flatten_fn, unflatten_fn,
                                         namespace=NAMESPACE, path_entry_type=entry)
             _registered.add(cls)
 

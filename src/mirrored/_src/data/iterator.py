@@ -42,7 +42,8 @@ class DistributedOptional(Generic[T]):
     @classmethod
     def empty(cls) -> DistributedOptional[Any]:
         """An optional with no value (the iterator ran out)."""
-        made: DistributedOptional[Any] = cls(None)
+        made: DistributedOptional[Any] = cls.__new__(cls)
+        made._value = None
         made._has = False
         return made
 

@@ -266,11 +266,13 @@ def test_replicas_wait_for_each_other_in_collectives(strategies):
     assert [kind for kind, _ in order[:3]] == ["before"] * 3
 
 
-def test_run_inside_merge_fn_raises_instead_of_deadlocking(two):
+def test_run_inside_merge_fn_runs_instead_of_deadlocking(two):
+    # TF runs it (issue 13); here the replicas go in turn on the merging thread.
     def step():
         return mirrored.get_replica_context().merge_call(lambda s: s.run(lambda: 1))
 
+    assert two.run(step) == 1
     with pytest.raises(RuntimeError, match=r"run cannot be called inside a replica \(from the fn "
-                                           r"of another run, or from a merge_fn\)"):
-        two.run(step)
+                                           r"of another run\)"):
+        two.run(lambda: two.run(lambda: 1))
     assert two.run(lambda: 2) == 2

@@ -14,6 +14,7 @@ EXPECTED = {
     "InputOptions",
     "MirroredModule",
     "MirroredOptimizer",
+    "ReplicaDivergenceError",
     "WorkerFailureError",
     "cluster_resolver",
     "testing",
@@ -57,3 +58,5 @@ def test_error_hierarchy():
     assert issubclass(mirrored.CollectiveMismatchError, ValueError)
     assert issubclass(mirrored.CollectiveTimeoutError, mirrored.MirroredError)
     assert issubclass(mirrored.CollectiveTimeoutError, TimeoutError)
+    assert issubclass(mirrored.ReplicaDivergenceError, mirrored.MirroredError)
+    assert issubclass(mirrored.ReplicaDivergenceError, RuntimeError)

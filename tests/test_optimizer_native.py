@@ -159,9 +159,11 @@ def test_copies_that_differ_raise_naming_the_parameter_and_replicas(
                 model.module[2].bias.add_(1e-3)
 
     x, y = data()
-    two.run(step, args=(split(x), split(y)))  # the copies differ only after this step
+    for _ in range(8):  # checked at step 1 (equal), then every 8th step: found at step 9
+        two.run(step, args=(split(x), split(y)))
     with pytest.raises(ReplicaDivergenceError,
-                       match=r"step 2: '2.bias' on replica\(s\) \[1\] differs from replica 0"
+                       match=r"step 9 \(equal at step 1; check='full' checks every step\): "
+                             r"'2.bias' on replica\(s\) \[1\] differs from replica 0"
                              r".*manual update"):
         two.run(step, args=(split(x), split(y)))
 

@@ -307,11 +307,12 @@ def mirror_optimizer(strategy: Strategy, mirrored_module: MirroredModule,
             Ask for ``foreach=True`` (or ``fused=True``) for speed on CPU.
         check: how ``step()`` makes sure the copies stay equal. ``"cheap"`` (the
             default): one 2-norm per parameter, compared across replicas bit for bit
-            in the step's all-reduce, and gradients changed in place between
-            ``backward()`` and ``step()`` (``clip_grad_norm_`` before ``step``) refused;
-            ``"full"``: the norms and the sum of every tensor's bit patterns (a
-            one-bit difference shows; for debugging); ``"off"``: no checks. A
-            difference raises `ReplicaDivergenceError` at the next step.
+            in the step's all-reduce at the first step and every 8th after, and at
+            every step, gradients changed in place between ``backward()`` and
+            ``step()`` (``clip_grad_norm_`` before ``step``) refused; ``"full"``
+            (for debugging): at every step, the norms and the sum of every tensor's
+            bit patterns (a one-bit difference shows); ``"off"``: no checks. A
+            difference raises `ReplicaDivergenceError` at the next checked step.
         buffers: the rule for buffers other than BatchNorm's, applied at every
             step: ``"average"`` (the default: floating-point buffers averaged over
             the replicas, others taken from replica 0), ``"broadcast"`` (all taken

@@ -6,6 +6,7 @@ the parameter list; each against a one-device reference."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -288,3 +289,81 @@ def test_make_optimizer_gets_a_list_for_decay_groups(two: mirrored.MirroredStrat
     assert_copies_equal(model)
     for a, b in zip(model.replicas[0].parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _scaled_worker(check_divergence: bool) -> dict[str, object]:
+    """2 workers x 2 local replicas: GradScaler steps with an inf in global replica 3's
+    batch only (worker 1), then (``check_divergence``) a change to global replica 3's
+    copy, found by the check on every worker."""
+    from mirrored._src.cluster import process_group
+    from mirrored.experimental import CommunicationOptions
+
+    strategy = mirrored.MultiWorkerMirroredStrategy(
+        communication_options=CommunicationOptions(timeout_seconds=30),
+        devices=["CPU:0", "CPU:1"])
+    worker = strategy.cluster_resolver.worker_index
+    try:
+        model = strategy.mirror(net())
+        opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1),
+                                        check="full")
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> None:
+            loss = mirrored.compute_average_loss((model(x).squeeze(1) - y) ** 2,
+                                                 global_batch_size=8)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+
+        x0, y = torch.arange(24, dtype=torch.float64).reshape(8, 3) / 24, torch.ones(8).double()
+        scales = []
+        for bad in (False, True, False):
+            x = x0.clone()
+            if bad:
+                x[7, 1] = math.inf  # global replica 3's rows are 6 and 7
+            mine = slice(4 * worker, 4 * worker + 4)
+            xs, ys = x[mine], y[mine]
+            strategy.run(step, args=(mirrored.PerReplica([xs[:2], xs[2:]]),
+                                     mirrored.PerReplica([ys[:2], ys[2:]])))
+            scales.append(scaler.get_scale())
+        error = ""
+        if check_divergence:
+            if worker == 1:
+                with torch.no_grad():
+                    model.replicas[1][0].bias.add_(1.0)
+            try:
+                strategy.run(step, args=(mirrored.PerReplica([xs[:2], xs[2:]]),
+                                         mirrored.PerReplica([ys[:2], ys[2:]])))
+            except ReplicaDivergenceError as e:
+                error = str(e)
+        state = {k: v.tolist() for k, v in model.replicas[0].state_dict().items()}
+        return {"scales": scales, "state": state, "error": error}
+    finally:
+        strategy.close()
+        process_group.destroy_process_group()
+
+
+@pytest.mark.timeout(150)
+def test_grad_scaler_and_check_across_two_workers() -> None:
+    results = mirrored.testing.run_multi_process(_scaled_worker, 2, args=(True,), timeout=140)
+    reference = net()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    x0, y = torch.arange(24, dtype=torch.float64).reshape(8, 3) / 24, torch.ones(8).double()
+    for bad in (False, True, False):
+        x = x0.clone()
+        if bad:
+            x[7, 1] = math.inf
+        opt.zero_grad()
+        scaler.scale(((reference(x).squeeze(1) - y) ** 2).mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+    for result in results:
+        assert result["scales"] == [1024.0, 512.0, 512.0]
+        for key, value in reference.state_dict().items():
+            torch.testing.assert_close(torch.tensor(result["state"][key], dtype=value.dtype),  # type: ignore[index]
+                                       value,
+                                       rtol=1e-12, atol=1e-12)
+        assert re.search(r"'0.bias' on replica\(s\) \[3\] differs from replica 0",
+                         str(result["error"])), result["error"]

@@ -367,3 +367,29 @@ def test_grad_scaler_and_check_across_two_workers() -> None:
                                        rtol=1e-12, atol=1e-12)
         assert re.search(r"'0.bias' on replica\(s\) \[3\] differs from replica 0",
                          str(result["error"])), result["error"]
+
+
+def test_accumulated_gradients_with_zero_grad_set_to_zero_pass_the_checks(
+        two: mirrored.MirroredStrategy) -> None:
+    reference = net()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    model = two.mirror(net())
+    opt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                               check="full")
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        opt.zero_grad(set_to_none=False)
+        for half in (slice(0, 1), slice(1, None)):  # two micro-batches, one step
+            loss = ((model(x[half]).squeeze(1) - y[half]) ** 2).sum() / 6
+            loss.backward()
+        opt.step()
+
+    x, y = data()
+    for _ in range(3):
+        two.run(step, args=(split(x), split(y)))
+        ref_opt.zero_grad()
+        ((reference(x).squeeze(1) - y) ** 2).mean().backward()
+        ref_opt.step()
+    assert_copies_equal(model)
+    for a, b in zip(model.replicas[0].parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -393,3 +393,31 @@ def test_accumulated_gradients_with_zero_grad_set_to_zero_pass_the_checks(
     assert_copies_equal(model)
     for a, b in zip(model.replicas[0].parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_grad_scaler_update_outside_run_and_plain_use_stay_torch(
+        two: mirrored.MirroredStrategy) -> None:
+    model = two.mirror(net())
+    opt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = mirrored.compute_average_loss((model(x).squeeze(1) - y) ** 2)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+
+    x, y = data()
+    x[0, 0] = math.inf  # replica 0's batch
+    two.run(step, args=(split(x), split(y)))
+    scaler.update()  # once, outside run: one back-off for the step of both replicas
+    assert scaler.get_scale() == 4.0
+    # The same scaler with a plain optimizer outside run is torch's own.
+    plain = net()
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    scaler.scale(plain(torch.ones(1, 3, dtype=torch.float64)).sum()).backward()
+    scaler.step(plain_opt)
+    scaler.update()
+    assert scaler.get_scale() == 4.0
+    with pytest.raises(AssertionError, match="No inf checks were recorded"):
+        scaler.update()

@@ -94,7 +94,6 @@ class MirroredOptimizer(torch.optim.Optimizer):
         self._strategy = module.strategy
         self._optimizers = optimizers
         self._params = params
-        self._check: Check = check
         self._reducer = GradientReducer(module, params, names, check=check, buffers=buffers)
 
     @property

@@ -18,6 +18,8 @@ SGD, in examples per second, as ratios against baselines measured in the same ru
     ``step()`` minus the local optimizer step), optimizer step, and hand-off (the
     rest of ``run``: waking replica threads, waiting for the slowest, regrouping), and
     the count all-reduce of ``compute_average_loss``.
+(d) the divergence check (``mirror_optimizer(check=...)``) on 2 replicas: the default
+    ``"cheap"`` and the debugging ``"full"`` against ``"off"``. Target: < 2 %.
 
 Timings are medians over repeats; variants are interleaved so machine noise hits
 them alike. The machine is shared and noisy: read ratios, not single figures.
@@ -99,10 +101,10 @@ class Mirrored:
     """A mirrored training step on ``n`` logical CPU replicas, with optional phase timers."""
 
     def __init__(self, n: int, batch: int, *, one_thread: bool = False,
-                 timed: bool = False) -> None:
+                 timed: bool = False, **options: object) -> None:
         self.strategy = mirrored.MirroredStrategy([f"CPU:{i}" for i in range(n)])
         self.model = self.strategy.mirror(make_mlp())
-        self.opt = self.strategy.mirror_optimizer(self.model, sgd)
+        self.opt = self.strategy.mirror_optimizer(self.model, sgd, **options)
         (self.xy,) = list(self.strategy.experimental_distribute_dataset(
             [make_batch(batch)], mirrored.InputOptions(experimental_prefetch_depth=0)))
         self.one_thread = one_thread
@@ -244,6 +246,19 @@ def bench_four_replicas(batches: list[int], repeats: int, inner: int) -> None:
         print(f"    hand-off (run - slowest fn):  {(total - slowest) * us:>6.0f} us")
 
 
+def bench_check(batches: list[int], repeats: int, inner: int) -> None:
+    print("(d) the divergence check of mirror_optimizer, 2 replicas: cost against "
+          "check='off' (target < 2 %)")
+    for batch in batches:
+        runs = {check: Mirrored(2, batch, check=check) for check in ("off", "cheap", "full")}
+        t = interleaved(dict(runs), repeats, inner)
+        for run in runs.values():
+            run.strategy.close()
+        cheap, full = t["cheap"] / t["off"] - 1, t["full"] / t["off"] - 1
+        print(f"  batch {batch:>3}: off {t['off'] * 1e6:.0f} us/step; cheap (default) "
+              f"{cheap:+.1%} ({verdict(cheap < 0.02)}); full {full:+.1%}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few steps, for a smoke run")
@@ -255,6 +270,7 @@ def main() -> None:
     bench_one_replica(batches, repeats, inner)
     bench_two_replicas(batches, repeats, inner)
     bench_four_replicas(batches, repeats, inner)
+    bench_check(batches, repeats, inner)
 
 
 if __name__ == "__main__":

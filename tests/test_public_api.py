@@ -16,6 +16,7 @@ EXPECTED = {
     "InputReplicationMode",
     "MirroredModule",
     "MirroredOptimizer",
+    "ReplicaDivergenceError",
     "WorkerFailureError",
     "cluster_resolver",
     "testing",
@@ -60,3 +61,5 @@ def test_error_hierarchy():
     assert issubclass(mirrored.CollectiveMismatchError, ValueError)
     assert issubclass(mirrored.CollectiveTimeoutError, mirrored.MirroredError)
     assert issubclass(mirrored.CollectiveTimeoutError, TimeoutError)
+    assert issubclass(mirrored.ReplicaDivergenceError, mirrored.MirroredError)
+    assert issubclass(mirrored.ReplicaDivergenceError, RuntimeError)

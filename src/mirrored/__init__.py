@@ -29,6 +29,7 @@ from ._src.data import InputReplicationMode as InputReplicationMode
 from ._src.errors import CollectiveMismatchError as CollectiveMismatchError
 from ._src.errors import CollectiveTimeoutError as CollectiveTimeoutError
 from ._src.errors import MirroredError as MirroredError
+from ._src.errors import ReplicaDivergenceError as ReplicaDivergenceError
 from ._src.errors import WorkerFailureError as WorkerFailureError
 from ._src.loss import compute_average_loss as compute_average_loss
 from ._src.reduce_op import ReduceOp as ReduceOp
@@ -63,6 +64,7 @@ __all__ = [
     "InputReplicationMode",
     "MirroredModule",
     "MirroredOptimizer",
+    "ReplicaDivergenceError",
     "WorkerFailureError",
     "cluster_resolver",
     "testing",

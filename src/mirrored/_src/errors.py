@@ -11,6 +11,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "MirroredError",
     "ReplicaAbortedError",
+    "ReplicaDivergenceError",
     "WorkerFailureError",
 ]
 
@@ -33,6 +34,14 @@ class ReplicaAbortedError(MirroredError, RuntimeError):
 
     ``strategy.run`` raises the other replica's exception, not this one.
     """
+
+
+class ReplicaDivergenceError(MirroredError, RuntimeError):
+    """The replicas would train something other than one device: the copies of a
+    mirrored model differ (a parameter or buffer changed outside the optimizer's
+    step on some replica), or a replica changed its local gradients between
+    ``backward()`` and the optimizer's all-reduce (``clip_grad_norm_`` before
+    ``step()``). The message names the parameter, the replicas and the fix."""
 
 
 class WorkerFailureError(MirroredError, RuntimeError):

@@ -259,10 +259,11 @@ class Strategy:
         return mirror(self, module, sync_batch_norm=sync_batch_norm)
 
     def mirror_optimizer(self, module: MirroredModule,
-                         make_optimizer: Callable[[Any], torch.optim.Optimizer]
-                         ) -> MirroredOptimizer:
+                         make_optimizer: Callable[[Any], torch.optim.Optimizer],
+                         **options: Any) -> MirroredOptimizer:
         """One optimizer per replica copy of ``module``, built by ``make_optimizer(params)``;
-        ``step()`` inside ``run`` all-reduces the gradients first (`MirroredOptimizer`).
+        ``step()`` inside ``run`` all-reduces the gradients first (`MirroredOptimizer`);
+        ``options`` (``check=``, ``buffers=``) as in `mirror_optimizer`.
 
         Example:
             >>> import torch, mirrored
@@ -272,4 +273,4 @@ class Strategy:
             >>> len(opt.optimizers)
             2
         """
-        return mirror_optimizer(self, module, make_optimizer)
+        return mirror_optimizer(self, module, make_optimizer, **options)

@@ -2,12 +2,14 @@
 in lockstep on all-reduced gradients.
 
 ``step()`` (in every replica, inside ``strategy.run``) makes ONE all-reduce (SUM)
-of the replica's gradients, a presence flag per parameter and the BatchNorm
-running statistics to average; the collective packs them per dtype into few
-transfers. Every replica then assigns the reduced gradients (views of the packed
-result, no copy), optionally clips them by their global norm, copies replica 0's
-hyper-parameters into its own optimizer and steps it. The reduced values are
-bitwise identical on every replica, so the copies stay bitwise equal.
+of the replica's gradients, a presence flag per parameter, the copies'
+fingerprints (`check`), the BatchNorm running statistics to average and the other
+buffers (`buffers`); the collective packs them per dtype into few transfers.
+Every replica then assigns the reduced gradients (views of the packed result, no
+copy), compares the fingerprints, optionally clips the gradients by their global
+norm, copies replica 0's hyper-parameters into its own optimizer and steps it. The
+reduced values are bitwise identical on every replica, so the copies stay bitwise
+equal; the check makes sure of it.
 """
 
 from __future__ import annotations
@@ -15,15 +17,20 @@ from __future__ import annotations
 import copy
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.optim.optimizer as _torch_optimizer
 from torch import nn
 
+from ..errors import ReplicaDivergenceError
 from ..runtime.random import library_call
+from . import amp
+from .buffers import BUFFER_RULES, BufferRule
+from .check import CHECKS, Check
 from .module import MirroredModule, replica_index, replica_of
+from .reducer import GradientReducer
 
 # torch's registries of global optimizer hooks (empty dicts if this torch has none).
 _GLOBAL_PRE_HOOKS: dict[Any, Any] = getattr(_torch_optimizer, "_global_optimizer_pre_hooks", {})
@@ -35,7 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MirroredOptimizer", "mirror_optimizer"]
 
-MakeOptimizer = Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
+MakeOptimizer = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
 class MirroredOptimizer(torch.optim.Optimizer):
@@ -73,7 +80,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, module: MirroredModule, optimizers: tuple[torch.optim.Optimizer, ...],
-                 params: tuple[list[nn.Parameter], ...]) -> None:
+                 params: tuple[list[nn.Parameter], ...], names: list[str], *,
+                 check: Check = "cheap", buffers: BufferRule = "average") -> None:
         # Optimizer.__init__ is not called: it would build param groups of its own.
         # These are the hook tables it sets, so torch's hook registration works.
         self._optimizer_step_pre_hooks: OrderedDict[int, Any] = OrderedDict()
@@ -86,17 +94,15 @@ class MirroredOptimizer(torch.optim.Optimizer):
         self._strategy = module.strategy
         self._optimizers = optimizers
         self._params = params
-        self._stats = tuple(module.averaged_buffers(r) for r in range(len(optimizers)))
-        first = params[0][0]
-        flag_dtype = first.dtype if first.is_floating_point() else torch.get_default_dtype()
-        # All-present flags, one per parameter (sent as is on the common path).
-        self._ones = tuple(torch.ones(len(p), dtype=flag_dtype, device=p[0].device)
-                           for p in params)
+        self._reducer = GradientReducer(module, params, names, check=check, buffers=buffers)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        """Replica 0's optimizer's parameter groups (the hyper-parameters of all)."""
-        return self._optimizers[0].param_groups
+        """The parameter groups: the calling replica's optimizer's inside ``run``
+        (its own gradients, for ``GradScaler.unscale_``), replica 0's elsewhere
+        (the hyper-parameters of all: every replica copies them at ``step()``)."""
+        r = replica_index(self._strategy, "MirroredOptimizer.param_groups", required=False)
+        return self._optimizers[r or 0].param_groups
 
     @property
     def state(self) -> Any:  # type: ignore[override]
@@ -120,6 +126,30 @@ class MirroredOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], Any] | None = None, *,
              clip_grad_norm: float | None = None) -> Any:
+        """All-reduces the gradients (SUM) and steps this replica's optimizer.
+
+        Call it in every replica, inside ``strategy.run``, after ``backward()``.
+        With losses from ``compute_average_loss`` the summed gradients are those
+        of the global-batch mean loss. With a ``torch.amp.GradScaler``, call
+        ``scaler.step(optimizer)`` as on one device.
+
+        Args:
+            closure: optional; called once (with grad enabled) before the
+                all-reduce, and its result returned. Optimizers that call their
+                closure several times (LBFGS) are not supported.
+            clip_grad_norm: if given, the reduced gradients are scaled so their
+                global 2-norm is at most this (``torch.nn.utils.clip_grad_norm_``
+                on the reduced gradients; Keras' ``global_clipnorm``).
+
+        Returns:
+            The closure's result, or ``None``.
+
+        Raises:
+            RuntimeError: called outside ``run`` of the module's strategy.
+            ValueError: ``clip_grad_norm`` is not a positive number.
+            ReplicaDivergenceError: the copies differ, or a gradient was changed in
+                place after ``backward()`` on some replica (see ``check``).
+        """
         # torch's step pre/post hooks (registered on this optimizer or globally) run in
         # every replica, as step itself does; looked up only when there are some.
         hooked = bool(self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks
@@ -141,27 +171,6 @@ class MirroredOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step(self, clip_grad_norm: float | None) -> None:
-        """All-reduces the gradients (SUM) and steps this replica's optimizer.
-
-        Call it in every replica, inside ``strategy.run``, after ``backward()``.
-        With losses from ``compute_average_loss`` the summed gradients are those
-        of the global-batch mean loss.
-
-        Args:
-            closure: optional; called once (with grad enabled) before the
-                all-reduce, and its result returned. Optimizers that call their
-                closure several times (LBFGS) are not supported.
-            clip_grad_norm: if given, the reduced gradients are scaled so their
-                global 2-norm is at most this (``torch.nn.utils.clip_grad_norm_``
-                on the reduced gradients; Keras' ``global_clipnorm``).
-
-        Returns:
-            The closure's result, or ``None``.
-
-        Raises:
-            RuntimeError: called outside ``run`` of the module's strategy.
-            ValueError: ``clip_grad_norm`` is not a positive number.
-        """
         ctx, r = replica_of(self._strategy, "MirroredOptimizer.step")
         if clip_grad_norm is not None and (
                 isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, int | float)
@@ -175,34 +184,13 @@ class MirroredOptimizer(torch.optim.Optimizer):
                 nn.utils.clip_grad_norm_(params, clip_grad_norm)
             optimizer.step()
             return
-        grads = [p.grad for p in params]
-        if any(g is not None and g.is_sparse for g in grads):
-            raise TypeError("MirroredOptimizer.step all-reduces dense gradients; a parameter has "
-                            "a sparse gradient (e.g. nn.Embedding(sparse=True)): use dense "
-                            "gradients (sparse=False)")
-        missing = [k for k, g in enumerate(grads) if g is None]
-        flags = self._ones[r]
-        if missing:
-            flags = flags.clone()
-            flags[missing] = 0
-            for k in missing:
-                grads[k] = torch.zeros_like(params[k])
-        stats = self._stats[r]
-        reduced = ctx.all_reduce("SUM", [*grads, flags, *stats])
-        n = len(params)
-        for p, g in zip(params, reduced[:n], strict=True):
-            p.grad = g
-        if missing:
-            present = reduced[n].tolist()
-            for k in missing:
-                if present[k] == 0:
-                    params[k].grad = None
-        if stats:
-            averaged = reduced[n + 1:]
-            torch._foreach_div_(averaged, self._strategy.num_replicas_in_sync)
-            torch._foreach_copy_(stats, averaged)
+        reducer = self._reducer
+        if not reducer.reduced[r]:
+            reducer.reduce(ctx, r)
+        reducer.reduced[r] = False
         if r:
-            for source, target in zip(self.param_groups, optimizer.param_groups, strict=True):
+            for source, target in zip(self._optimizers[0].param_groups, optimizer.param_groups,
+                                      strict=True):
                 for key, value in source.items():
                     if key != "params":
                         target[key] = value
@@ -210,11 +198,68 @@ class MirroredOptimizer(torch.optim.Optimizer):
             nn.utils.clip_grad_norm_(params, clip_grad_norm)
         optimizer.step()
 
+    # ------------------------------------------------------------ GradScaler
+    def amp_replica(self) -> int | None:
+        """The calling replica's local index when a ``GradScaler`` must act for N
+        replicas (see `amp`), else ``None``."""
+        if self._strategy.num_replicas_in_sync == 1:
+            return None
+        return replica_index(self._strategy, "GradScaler.step", required=False)
+
+    def amp_unscale(self, inv_scale: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """All-reduces this replica's gradients, then unscales them and checks them for
+        inf/NaN (``GradScaler.unscale_`` on the global gradients)."""
+        ctx, r = replica_of(self._strategy, "GradScaler.unscale_")
+        library_call(self._reducer.reduce, ctx, r)
+        params = self._params[r]
+        found = torch.zeros((), dtype=torch.float32, device=params[0].device)
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for p in params:
+            if p.grad is not None:
+                if p.grad.dtype == torch.float16:
+                    raise ValueError("Attempting to unscale FP16 gradients: keep the "
+                                     "parameters in float32 and autocast the forward pass")
+                groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+        for (device, _), grads in groups.items():
+            here = found if device == found.device else torch.zeros_like(found, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, here,
+                                                             inv_scale.to(device))
+            if here is not found:
+                found += here.to(found.device)
+        return found, self._reducer.seq[r]
+
+    def amp_step(self, found_inf: torch.Tensor, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> Any:
+        """Steps every copy (gradients reduced and unscaled), or none if ``found_inf``
+        (the same on every replica: it was found in the reduced gradients)."""
+        if found_inf.item():
+            r = replica_index(self._strategy, "GradScaler.step", required=True)
+            self._reducer.reduced[r or 0] = False
+            return None
+        return self.step(*args, **kwargs)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Resets gradients: this replica's inside ``run``, every replica's outside."""
+        """Resets gradients: this replica's inside ``run``, every replica's outside.
+
+        Raises:
+            ReplicaDivergenceError: the gradients of a ``backward()`` were never
+                all-reduced (no ``step()`` since): each copy would be updated with
+                its own gradients (a manual update) or they would be lost.
+        """
         r = replica_index(self._strategy, "MirroredOptimizer.zero_grad", required=False)
-        for optimizer in self._optimizers if r is None else (self._optimizers[r],):
-            library_call(optimizer.zero_grad, set_to_none)
+        replicas = range(len(self._optimizers)) if r is None else (r,)
+        for i in replicas:
+            if self._reducer.discards(i):
+                raise ReplicaDivergenceError(
+                        f"MirroredOptimizer.zero_grad discards gradients of local replica {i} "
+                        "that were never all-reduced (backward() ran, but no "
+                        "optimizer.step() since): a manual update (p.data.add_(p.grad, "
+                        "alpha=-lr)) trains each copy on its own batch, so the copies drift "
+                        "apart. Update with optimizer.step(), which all-reduces first; to "
+                        "drop a step's gradients on purpose, call optimizer.step() with a "
+                    "learning rate of 0 or do not call backward()")
+        for i in replicas:
+            library_call(self._optimizers[i].zero_grad, set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
         """Replica 0's optimizer's state dict (interchangeable with a plain optimizer's)."""
@@ -247,22 +292,37 @@ def _ordered_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
 
 
 def mirror_optimizer(strategy: Strategy, mirrored_module: MirroredModule,
-                     make_optimizer: MakeOptimizer) -> MirroredOptimizer:
-    """Builds ``make_optimizer(copy.parameters())`` for every copy of ``mirrored_module``
-    and wraps them in a `MirroredOptimizer`.
+                     make_optimizer: MakeOptimizer, *, check: Check = "cheap",
+                     buffers: BufferRule = "average") -> MirroredOptimizer:
+    """Builds ``make_optimizer(list(copy.parameters()))`` for every copy of
+    ``mirrored_module`` and wraps them in a `MirroredOptimizer`.
 
     Args:
         strategy: the strategy ``mirrored_module`` was mirrored by.
         mirrored_module: a `MirroredModule`.
-        make_optimizer: builds any ``torch.optim`` optimizer from an iterable of
-            parameters (param groups allowed, if built the same way for every copy).
+        make_optimizer: builds any ``torch.optim`` optimizer from a list of
+            parameters (param groups allowed, if built the same way for every copy:
+            e.g. two comprehensions over the list for decay and no-decay groups).
             Ask for ``foreach=True`` (or ``fused=True``) for speed on CPU.
+        check: how ``step()`` makes sure the copies stay equal. ``"cheap"`` (the
+            default): one 2-norm per parameter, compared across replicas bit for bit
+            in the step's all-reduce at the first step and every 8th after, and at
+            every step, gradients changed in place between ``backward()`` and
+            ``step()`` (``clip_grad_norm_`` before ``step``) refused; ``"full"``
+            (for debugging): at every step, the norms and the sum of every tensor's
+            bit patterns (a one-bit difference shows); ``"off"``: no checks. A
+            difference raises `ReplicaDivergenceError` at the next checked step.
+        buffers: the rule for buffers other than BatchNorm's, applied at every
+            step: ``"average"`` (the default: floating-point buffers averaged over
+            the replicas, others taken from replica 0), ``"broadcast"`` (all taken
+            from replica 0, as DDP's ``broadcast_buffers``) or ``"off"``.
 
     Raises:
         TypeError: not a `MirroredModule`, or ``make_optimizer`` returned something
             other than a ``torch.optim.Optimizer``.
-        ValueError: the module belongs to another strategy, or the optimizers do not
-            cover the same parameters of every copy in the same order.
+        ValueError: the module belongs to another strategy, the optimizers do not
+            cover the same parameters of every copy in the same order, or ``check``
+            or ``buffers`` is not one of its values.
 
     Example:
         >>> import torch, mirrored
@@ -281,11 +341,17 @@ def mirror_optimizer(strategy: Strategy, mirrored_module: MirroredModule,
                          f"{strategy!r}; build the optimizer with the module's own strategy")
     if not callable(make_optimizer):
         raise TypeError(f"make_optimizer must be callable; got {type(make_optimizer).__name__}")
+    if check not in CHECKS:
+        raise ValueError(f"check must be one of {', '.join(map(repr, CHECKS))}; got {check!r}")
+    if buffers not in BUFFER_RULES:
+        raise ValueError(f"buffers must be one of {', '.join(map(repr, BUFFER_RULES))}; got "
+                         f"{buffers!r}")
+    amp.install()
     optimizers = []
     params = []
     positions: list[int] | None = None
     for r, module in enumerate(mirrored_module.replicas):
-        optimizer = make_optimizer(module.parameters())
+        optimizer = make_optimizer(list(module.parameters()))
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"make_optimizer must return a torch.optim.Optimizer; got "
                             f"{type(optimizer).__name__} for replica {r}")
@@ -302,4 +368,7 @@ def mirror_optimizer(strategy: Strategy, mirrored_module: MirroredModule,
         positions = where
         optimizers.append(optimizer)
         params.append(ordered)
-    return MirroredOptimizer(mirrored_module, tuple(optimizers), tuple(params))
+    named = {id(p): name for name, p in mirrored_module.replicas[0].named_parameters()}
+    names = [named[id(p)] for p in params[0]]
+    return MirroredOptimizer(mirrored_module, tuple(optimizers), tuple(params), names,
+                             check=check, buffers=buffers)

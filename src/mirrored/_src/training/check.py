@@ -1,0 +1,182 @@
+"""The checks that keep N replicas training what one device would: the copies'
+fingerprints compared across replicas at every optimizer step, and the watch on
+gradients changed in place between ``backward()`` and the all-reduce.
+
+Fingerprints travel in the step's own fused all-reduce (SUM): replica ``g`` writes
+its values into slot ``g`` of a vector that is zero elsewhere, so the sum is every
+replica's table (``x + 0`` is exact), compared bit for bit. ``"cheap"`` takes one
+2-norm per tensor (one multi-tensor kernel); ``"full"`` adds the sum of each
+tensor's bit patterns, so a change of one bit anywhere shows.
+
+The gradient watch records each gradient's identity and version counter in a
+post-accumulate-grad hook; an in-place change afterwards (``clip_grad_norm_``,
+``clip_grad_value_``, ``p.grad.mul_``) bumps the version, so ``step()`` sees it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+
+from ..errors import ReplicaDivergenceError
+
+__all__ = ["CHECKS", "Check", "GradientWatch", "compare", "fingerprint", "modified_message"]
+
+Check = Literal["cheap", "full", "off"]
+CHECKS: tuple[Check, ...] = ("cheap", "full", "off")
+
+_INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+_BITS = 1 << 24  # integers below 2**24 are exact in float32 (and summed with zeros)
+
+
+def slots_per_tensor(check: Check) -> int:
+    """How many fingerprint values one tensor contributes."""
+    return {"cheap": 1, "full": 2, "off": 0}[check]
+
+
+def fingerprint(tensors: Sequence[torch.Tensor], check: Check, out: torch.Tensor) -> None:
+    """Writes the fingerprint of ``tensors`` into ``out`` (``len(tensors) *
+    slots_per_tensor(check)`` values, in ``out``'s dtype).
+
+    Example:
+        >>> out = torch.zeros(2)
+        >>> fingerprint([torch.tensor([3.0, 4.0]), torch.zeros(2)], "cheap", out)
+        >>> out
+        tensor([5., 0.])
+    """
+    if not tensors:
+        return
+    with torch.no_grad():
+        floats = [t if t.is_floating_point() or t.is_complex() else t.double() for t in tensors]
+        norms = torch._foreach_norm([t.detach() for t in floats])
+        if check == "cheap":
+            out.copy_(torch.stack(norms))
+            return
+        bits = []
+        for t in tensors:
+            flat = t.detach().reshape(-1)
+            if flat.is_complex():
+                flat = torch.view_as_real(flat).reshape(-1)
+            if flat.dtype == torch.bool:
+                flat = flat.to(torch.uint8)
+            view = flat.view(_INT_VIEW[flat.element_size()]) if flat.is_floating_point() else flat
+            bits.append(view.sum(dtype=torch.int64) % _BITS)
+        values = torch.stack([torch.stack([n.to(torch.float64) for n in norms]),
+                              torch.stack(bits).to(torch.float64)], dim=1)
+        out.copy_(values.reshape(-1))
+
+
+def compare(table: torch.Tensor, names: Sequence[str], step: int, params: int = -1,
+            since: int = 0) -> None:
+    """Raises `ReplicaDivergenceError` if the rows of ``table`` (one per global
+    replica, ``slots`` values per name) are not bitwise equal; ``names[params:]`` are
+    buffers (all are parameters by default); ``since``: the step of the last check.
+
+    Example:
+        >>> compare(torch.tensor([[1.0], [1.0]]), ["weight"], step=1)
+        >>> compare(torch.tensor([[1.0], [2.0]]), ["weight"], step=1)
+        Traceback (most recent call last):
+        ...
+        mirrored._src.errors.ReplicaDivergenceError: ...
+    """
+    bits = table.view(_INT_VIEW[table.element_size()])
+    if bool((bits == bits[:1]).all()):
+        return
+    slots = table.shape[1] // max(len(names), 1)
+    differs = (bits != bits[:1]).view(table.shape[0], len(names), slots).any(dim=2)
+    column = int(differs.any(dim=0).nonzero()[0])
+    replicas = [int(g) for g in differs[:, column].nonzero().flatten()]
+    values = table[:, column * slots].tolist()
+    when = (f"optimizer step {step}" if step - since <= 1 else
+            f"optimizer step {step} (equal at step {since}; check='full' checks every step)")
+    where = (f"the copies of the mirrored model differ at {when}: "
+             f"{names[column]!r} on replica(s) {replicas} differs from replica 0 (2-norms "
+             + ", ".join(f"replica {g}: {v!r}" for g, v in enumerate(values)) + "). ")
+    if 0 <= params <= column:
+        raise ReplicaDivergenceError(
+            where + "It is a buffer, and mirror_optimizer(buffers='off') leaves buffers to "
+            "you: use buffers='average' (the mean over the replicas at every step) or "
+            "'broadcast' (replica 0's, as DDP) for a buffer updated in forward")
+    raise ReplicaDivergenceError(
+        where + "The gradients were all-reduced, so the copies were changed outside "
+        "optimizer.step(): a manual update (p.data.add_(p.grad, alpha=-lr), or "
+        "p -= lr * p.grad under no_grad) trains each copy on its own batch, and code that "
+        "changes one copy (model.replicas[i]) breaks the mirror. Make every update "
+        "through optimizer.step() (it all-reduces first), and change the copies outside "
+        "strategy.run with model.load_state_dict")
+
+
+class GradientWatch:
+    """Each replica's gradient (tensor, version) per parameter as the last
+    ``backward()`` left it. A post-accumulate-grad hook on the replica's first and
+    last parameter queues one callback per backward pass, which records every
+    gradient when the pass ends (the reduced gradients of a step are views of one
+    buffer and share its version counter, so a version is final only then; two
+    hooks instead of one per parameter keep the cost at a few microseconds)."""
+
+    def __init__(self, params: Sequence[Sequence[nn.Parameter]]) -> None:
+        self._params = params
+        self.seen: list[list[tuple[torch.Tensor, int] | None]] = [
+            [None] * len(p) for p in params]
+        self._queued = [False] * len(params)
+        self.handles = [p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                            self._hook(r))
+                        for r, ps in enumerate(params) for p in {id(ps[0]): ps[0],
+                                                                  id(ps[-1]): ps[-1]}.values()]
+
+    def _hook(self, r: int) -> Callable[[torch.Tensor], None]:
+        def snapshot() -> None:
+            self._queued[r] = False
+            seen = self.seen[r]
+            for k, p in enumerate(self._params[r]):
+                g = p.grad
+                seen[k] = None if g is None else (g, g._version)
+
+        def hook(_: torch.Tensor) -> None:
+            if not self._queued[r]:
+                self._queued[r] = True
+                # torch's engine runs queued callbacks when this backward pass ends
+                # (a private entry point, stable since torch 1.x; DDP's reducer uses it).
+                Variable._execution_engine.queue_callback(snapshot)
+        return hook
+
+    def pending(self, r: int) -> bool:
+        """Whether replica ``r`` accumulated gradients since its last all-reduce."""
+        return any(s is not None for s in self.seen[r])
+
+    def modified(self, r: int, params: Sequence[nn.Parameter]) -> list[int]:
+        """The parameters whose gradient changed since backward put it there."""
+        out = []
+        for k, (p, s) in enumerate(zip(params, self.seen[r], strict=True)):
+            g = p.grad
+            if s is not None and g is not None and (g is not s[0] or g._version != s[1]):
+                out.append(k)
+        return out
+
+    def clear(self, r: int) -> None:
+        """Forgets replica ``r``'s records (its gradients were all-reduced)."""
+        seen = self.seen[r]
+        for k in range(len(seen)):
+            seen[k] = None
+
+    def remove(self) -> None:
+        """Removes every hook."""
+        for h in self.handles:
+            h.remove()
+
+
+def modified_message(names: Sequence[str], replica: int) -> str:
+    """The error for gradients changed in place between backward and step."""
+    more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+    return (
+        f"the gradient of {names[0]!r}{more} was changed in place on replica {replica} "
+        "between backward() and optimizer.step() (torch.nn.utils.clip_grad_norm_, "
+        "clip_grad_value_ or p.grad.mul_): each replica would change its own local gradient "
+        "before the all-reduce, which trains a different model than one device. Clip the "
+        "all-reduced gradients with optimizer.step(clip_grad_norm=c) (with a GradScaler: "
+        "scaler.step(optimizer, clip_grad_norm=c), or scaler.unscale_(optimizer) first, which "
+        "all-reduces, then clip); to scale gradients, scale the loss instead")

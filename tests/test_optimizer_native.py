@@ -1,0 +1,423 @@
+"""The mirrored optimizer as a torch user ports to it: GradScaler in the documented
+pattern, the divergence check and the traps it names (manual updates, clipping
+before step), the rule for buffers other than BatchNorm's, param groups built from
+the parameter list; each against a one-device reference."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import mirrored
+from mirrored import ReplicaDivergenceError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def two() -> Iterator[mirrored.MirroredStrategy]:
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    yield strategy
+    strategy.close()
+
+
+def net(dtype: torch.dtype = torch.float64) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).to(dtype)
+
+
+def data(dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(6, 3, generator=g).to(dtype), torch.randn(6, generator=g).to(dtype))
+
+
+def split(t: torch.Tensor) -> mirrored.PerReplica[torch.Tensor]:
+    return mirrored.PerReplica([t[:4], t[4:]])  # uneven: 4 + 2
+
+
+def assert_copies_equal(model: mirrored.MirroredModule) -> None:
+    for a, b in zip(model.replicas[0].state_dict().values(),
+                    model.replicas[1].state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_grad_scaler_steps_like_one_device_and_skips_an_inf_on_any_replica(
+        two: mirrored.MirroredStrategy, dtype: torch.dtype) -> None:
+    reference = net(dtype)
+    model = two.mirror(net(dtype))
+    opt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = mirrored.compute_average_loss((model(x).squeeze(1) - y) ** 2)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    x0, y = data(dtype)
+    scales = []
+    for bad in (False, True, False, False, False):
+        x = x0.clone()
+        if bad:
+            x[5, 0] = math.inf  # only in replica 1's batch
+        before = [p.clone() for p in model.replicas[0].parameters()]
+        two.run(step, args=(split(x), split(y)))
+        loss = ((reference(x).squeeze(1) - y) ** 2).mean()
+        ref_opt.zero_grad()
+        ref_scaler.scale(loss).backward()
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        assert scaler.get_scale() == ref_scaler.get_scale()
+        scales.append(scaler.get_scale())
+        assert_copies_equal(model)
+        if bad:  # skipped on every copy
+            assert all(torch.equal(a, b) for a, b in zip(before, model.replicas[0].parameters(),
+                                                         strict=True))
+        tol = 1e-12 if dtype == torch.float64 else 1e-5
+        for a, b in zip(model.replicas[0].parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    assert scales == [1024.0, 512.0, 512.0, 1024.0, 1024.0]
+
+
+def test_grad_scaler_unscale_then_clip_is_the_global_clip(two: mirrored.MirroredStrategy) -> None:
+    reference = net()
+    model = two.mirror(net())
+    opt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.5))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = mirrored.compute_average_loss((model(x).squeeze(1) - y) ** 2)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)  # all-reduces: the clip below sees the global gradients
+        nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+        scaler.step(opt)
+        scaler.update()
+
+    x, y = data()
+    for _ in range(2):
+        two.run(step, args=(split(x), split(y)))
+        loss = ((reference(x).squeeze(1) - y) ** 2).mean()
+        ref_opt.zero_grad()
+        ref_scaler.scale(loss).backward()
+        ref_scaler.unscale_(ref_opt)
+        nn.utils.clip_grad_norm_(reference.parameters(), 0.01)
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+    assert_copies_equal(model)
+    for a, b in zip(model.replicas[0].parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+    def twice(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = mirrored.compute_average_loss((model(x).squeeze(1) - y) ** 2)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        scaler.unscale_(opt)
+
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) has already been called"):
+        two.run(twice, args=(split(x), split(y)))
+
+
+def test_manual_update_raises_naming_the_trap(two: mirrored.MirroredStrategy) -> None:
+    model = two.mirror(net())
+    opt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+
+    def manual(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = mirrored.compute_average_loss((model(x).squeeze(1) - y) ** 2)
+        loss.backward()
+        for p in model.parameters():
+            p.data.add_(p.grad, alpha=-0.1)  # each copy with its own gradient
+        opt.zero_grad()
+
+    x, y = data()
+    with pytest.raises(ReplicaDivergenceError, match=r"never all-reduced.*manual update"):
+        two.run(manual, args=(split(x), split(y)))
+
+
+def test_copies_that_differ_raise_naming_the_parameter_and_replicas(
+        two: mirrored.MirroredStrategy) -> None:
+    model = two.mirror(net())
+    opt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = mirrored.compute_average_loss((model(x).squeeze(1) - y) ** 2)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if mirrored.get_replica_context().replica_id_in_sync_group == 1:
+            with torch.no_grad():  # an update the optimizer does not make
+                model.module[2].bias.add_(1e-3)
+
+    x, y = data()
+    for _ in range(8):  # checked at step 1 (equal), then every 8th step: found at step 9
+        two.run(step, args=(split(x), split(y)))
+    with pytest.raises(ReplicaDivergenceError,
+                       match=r"step 9 \(equal at step 1; check='full' checks every step\): "
+                             r"'2.bias' on replica\(s\) \[1\] differs from replica 0"
+                             r".*manual update"):
+        two.run(step, args=(split(x), split(y)))
+
+
+def test_full_check_sees_one_bit_and_off_sees_nothing(two: mirrored.MirroredStrategy) -> None:
+    x, y = data()
+    for check in ("full", "off"):
+        model = two.mirror(net())
+        opt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1), check=check)
+        with torch.no_grad():
+            w = model.replicas[1][0].weight
+            w[1, 2] = torch.nextafter(w[1, 2], torch.tensor(math.inf, dtype=w.dtype))
+
+        def step(x: torch.Tensor, y: torch.Tensor, model: mirrored.MirroredModule = model,
+                 opt: mirrored.MirroredOptimizer = opt) -> None:
+            loss = mirrored.compute_average_loss((model(x).squeeze(1) - y) ** 2)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+        if check == "full":
+            with pytest.raises(ReplicaDivergenceError, match=r"'0.weight' on replica\(s\) \[1\]"):
+                two.run(step, args=(split(x), split(y)))
+        else:
+            two.run(step, args=(split(x), split(y)))
+    with pytest.raises(ValueError, match="check must be one of 'cheap', 'full', 'off'; got 'all'"):
+        two.mirror_optimizer(two.mirror(net()), torch.optim.SGD, check="all")  # type: ignore[arg-type]
+
+
+def test_clipping_before_step_raises_naming_the_fix(two: mirrored.MirroredStrategy) -> None:
+    model = two.mirror(net())
+    opt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = mirrored.compute_average_loss((model(x).squeeze(1) - y) ** 2)
+        opt.zero_grad()
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # local gradients: the trap
+        opt.step()
+
+    x, y = data()
+    with pytest.raises(ReplicaDivergenceError,
+                       match=r"changed in place.*clip_grad_norm_.*step\(clip_grad_norm=c\)"):
+        two.run(step, args=(split(x), split(y)))
+
+
+class WithEma(nn.Module):
+    """A linear layer with a buffer updated in forward (an EMA of the inputs' mean) and
+    an integer counter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 1).double()
+        self.register_buffer("ema", torch.zeros(3, dtype=torch.float64))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.ema.mul_(0.5).add_(x.mean(0), alpha=0.5)
+                self.calls += 1
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("rule", ["average", "broadcast", "off"])
+def test_buffers_follow_the_rule(two: mirrored.MirroredStrategy, rule: str) -> None:
+    torch.manual_seed(0)
+    model = two.mirror(WithEma())
+    opt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1),
+                               buffers=rule)  # type: ignore[arg-type]
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = mirrored.compute_average_loss((model(x).squeeze(1) - y) ** 2)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    x, y = data()
+    halves = mirrored.PerReplica([x[:3], x[3:]]), mirrored.PerReplica([y[:3], y[3:]])
+    if rule == "off":  # nothing keeps the buffer equal: the check finds it at the step
+        with pytest.raises(ReplicaDivergenceError,
+                           match=r"'ema' on replica\(s\) \[1\].*buffers='average'"):
+            two.run(step, args=halves)
+        return
+    two.run(step, args=halves)
+    local = [0.5 * x[:3].mean(0), 0.5 * x[3:].mean(0)]
+    ema = [c.ema for c in model.replicas]
+    assert [int(c.calls) for c in model.replicas] == [1, 1]
+    if rule == "average":  # the mean of the copies' EMAs: one device's, for equal halves
+        for e in ema:
+            torch.testing.assert_close(e, 0.5 * x.mean(0), rtol=1e-15, atol=1e-15)
+        assert torch.equal(ema[0], ema[1])
+    else:
+        assert torch.equal(ema[0], local[0]) and torch.equal(ema[1], local[0])
+
+
+def test_make_optimizer_gets_a_list_for_decay_groups(two: mirrored.MirroredStrategy) -> None:
+    def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                  {"params": no_decay, "weight_decay": 0.0}], lr=0.05)
+
+    reference = net()
+    ref_opt = make(list(reference.parameters()))
+    model = two.mirror(net())
+    opt = two.mirror_optimizer(model, make)
+    assert [len(g["params"]) for g in opt.param_groups] == [2, 2]
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = mirrored.compute_average_loss((model(x).squeeze(1) - y) ** 2)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    x, y = data()
+    for _ in range(3):
+        two.run(step, args=(split(x), split(y)))
+        ref_opt.zero_grad()
+        ((reference(x).squeeze(1) - y) ** 2).mean().backward()
+        ref_opt.step()
+    assert_copies_equal(model)
+    for a, b in zip(model.replicas[0].parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _scaled_worker(check_divergence: bool) -> dict[str, object]:
+    """2 workers x 2 local replicas: GradScaler steps with an inf in global replica 3's
+    batch only (worker 1), then (``check_divergence``) a change to global replica 3's
+    copy, found by the check on every worker."""
+    from mirrored._src.cluster import process_group
+    from mirrored.experimental import CommunicationOptions
+
+    strategy = mirrored.MultiWorkerMirroredStrategy(
+        communication_options=CommunicationOptions(timeout_seconds=30),
+        devices=["CPU:0", "CPU:1"])
+    worker = strategy.cluster_resolver.worker_index
+    try:
+        model = strategy.mirror(net())
+        opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1),
+                                        check="full")
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> None:
+            loss = mirrored.compute_average_loss((model(x).squeeze(1) - y) ** 2,
+                                                 global_batch_size=8)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+
+        x0, y = torch.arange(24, dtype=torch.float64).reshape(8, 3) / 24, torch.ones(8).double()
+        scales = []
+        for bad in (False, True, False):
+            x = x0.clone()
+            if bad:
+                x[7, 1] = math.inf  # global replica 3's rows are 6 and 7
+            mine = slice(4 * worker, 4 * worker + 4)
+            xs, ys = x[mine], y[mine]
+            strategy.run(step, args=(mirrored.PerReplica([xs[:2], xs[2:]]),
+                                     mirrored.PerReplica([ys[:2], ys[2:]])))
+            scales.append(scaler.get_scale())
+        error = ""
+        if check_divergence:
+            if worker == 1:
+                with torch.no_grad():
+                    model.replicas[1][0].bias.add_(1.0)
+            try:
+                strategy.run(step, args=(mirrored.PerReplica([xs[:2], xs[2:]]),
+                                         mirrored.PerReplica([ys[:2], ys[2:]])))
+            except ReplicaDivergenceError as e:
+                error = str(e)
+        state = {k: v.tolist() for k, v in model.replicas[0].state_dict().items()}
+        return {"scales": scales, "state": state, "error": error}
+    finally:
+        strategy.close()
+        process_group.destroy_process_group()
+
+
+@pytest.mark.timeout(150)
+def test_grad_scaler_and_check_across_two_workers() -> None:
+    results = mirrored.testing.run_multi_process(_scaled_worker, 2, args=(True,), timeout=140)
+    reference = net()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    x0, y = torch.arange(24, dtype=torch.float64).reshape(8, 3) / 24, torch.ones(8).double()
+    for bad in (False, True, False):
+        x = x0.clone()
+        if bad:
+            x[7, 1] = math.inf
+        opt.zero_grad()
+        scaler.scale(((reference(x).squeeze(1) - y) ** 2).mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+    for result in results:
+        assert result["scales"] == [1024.0, 512.0, 512.0]
+        for key, value in reference.state_dict().items():
+            torch.testing.assert_close(torch.tensor(result["state"][key], dtype=value.dtype),  # type: ignore[index]
+                                       value,
+                                       rtol=1e-12, atol=1e-12)
+        assert re.search(r"'0.bias' on replica\(s\) \[3\] differs from replica 0",
+                         str(result["error"])), result["error"]
+
+
+def test_accumulated_gradients_with_zero_grad_set_to_zero_pass_the_checks(
+        two: mirrored.MirroredStrategy) -> None:
+    reference = net()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    model = two.mirror(net())
+    opt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                               check="full")
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        opt.zero_grad(set_to_none=False)
+        for half in (slice(0, 1), slice(1, None)):  # two micro-batches, one step
+            loss = ((model(x[half]).squeeze(1) - y[half]) ** 2).sum() / 6
+            loss.backward()
+        opt.step()
+
+    x, y = data()
+    for _ in range(3):
+        two.run(step, args=(split(x), split(y)))
+        ref_opt.zero_grad()
+        ((reference(x).squeeze(1) - y) ** 2).mean().backward()
+        ref_opt.step()
+    assert_copies_equal(model)
+    for a, b in zip(model.replicas[0].parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_grad_scaler_update_outside_run_and_plain_use_stay_torch(
+        two: mirrored.MirroredStrategy) -> None:
+    model = two.mirror(net())
+    opt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = mirrored.compute_average_loss((model(x).squeeze(1) - y) ** 2)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+
+    x, y = data()
+    x[0, 0] = math.inf  # replica 0's batch
+    two.run(step, args=(split(x), split(y)))
+    scaler.update()  # once, outside run: one back-off for the step of both replicas
+    assert scaler.get_scale() == 4.0
+    # The same scaler with a plain optimizer outside run is torch's own.
+    plain = net()
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    scaler.scale(plain(torch.ones(1, 3, dtype=torch.float64)).sum()).backward()
+    scaler.step(plain_opt)
+    scaler.update()
+    assert scaler.get_scale() == 4.0
+    with pytest.raises(AssertionError, match="No inf checks were recorded"):
+        scaler.update()

@@ -14,6 +14,8 @@ EXPECTED = {
     "InputOptions",
     "MirroredModule",
     "MirroredOptimizer",
+    "PreemptionCheckpointHandler",
+    "TerminationConfig",
     "WorkerFailureError",
     "cluster_resolver",
     "testing",

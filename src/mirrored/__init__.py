@@ -39,9 +39,9 @@ from ._src.strategies.replica_context import ReplicaContext as ReplicaContext
 from ._src.strategies.strategy import Strategy as Strategy
 from ._src.training.checkpoint import CheckpointManager as CheckpointManager
 from ._src.training.module import MirroredModule as MirroredModule
+from ._src.training.optimizer import MirroredOptimizer as MirroredOptimizer
 from ._src.training.preemption import PreemptionCheckpointHandler as PreemptionCheckpointHandler
 from ._src.training.preemption import TerminationConfig as TerminationConfig
-from ._src.training.optimizer import MirroredOptimizer as MirroredOptimizer
 from ._src.values import DistributedValues as DistributedValues
 from ._src.values import Mirrored as Mirrored
 from ._src.values import PerReplica as PerReplica

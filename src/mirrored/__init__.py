@@ -10,6 +10,7 @@ Example:
 """
 
 from . import cluster_resolver as cluster_resolver
+from . import elastic as elastic
 from . import experimental as experimental
 from . import testing as testing
 from ._src.comm.cross_device_ops import CrossDeviceOps as CrossDeviceOps
@@ -64,6 +65,7 @@ __all__ = [
     "TerminationConfig",
     "WorkerFailureError",
     "cluster_resolver",
+    "elastic",
     "testing",
     "ReductionToOneDevice",
     "compute_average_loss",

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pathlib
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 
@@ -238,3 +241,35 @@ def _skipping_worker(directory: str) -> str:
 def test_workers_with_different_step_counts_are_refused(tmp_path):
     assert mirrored.testing.run_multi_process(_skipping_worker, 2, args=(str(tmp_path),),
                                               timeout=60) == ["raised", "raised"]
+
+
+# -- the digits example ------------------------------------------------------------------
+
+EXAMPLE = pathlib.Path(__file__).parent.parent / "examples" / "train_digits.py"
+
+
+@pytest.mark.timeout(400)
+def test_the_digits_example_saves_on_sigterm_and_resumes_bitwise(tmp_path):
+    pytest.importorskip("sklearn")
+    common = [sys.executable, "-u", str(EXAMPLE), "--replicas", "2", "--epochs", "2"]
+    preempted = [*common, "--preemption", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                 "--save-final", str(tmp_path / "resumed.pt")]
+    with subprocess.Popen(preempted, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                          text=True) as job:
+        assert job.stdout is not None
+        lines = [job.stdout.readline(), job.stdout.readline()]  # header, then epoch 1
+        assert lines[1].startswith("epoch 1/2"), lines
+        job.send_signal(signal.SIGTERM)  # during epoch 2 (15 steps per epoch)
+        out, _ = job.communicate(timeout=120)
+    assert job.returncode == 42, out
+    (saved,) = sorted(os.listdir(tmp_path / "ckpt"))
+    step = int(saved[len("ckpt-"):-len(".pt")])
+    assert 15 <= step < 30  # in epoch 2 (max_to_keep=1: one checkpoint)
+    resumed = subprocess.run(preempted, capture_output=True, text=True, timeout=150)
+    assert f"resumed from step {step} (epoch 2, batch {step - 15 + 1})" in resumed.stdout
+    straight = subprocess.run([*common, "--save-final", str(tmp_path / "straight.pt")],
+                              capture_output=True, text=True, timeout=150)
+    assert resumed.returncode == straight.returncode == 0, resumed.stderr + straight.stderr
+    a = torch.load(tmp_path / "resumed.pt", weights_only=True)
+    b = torch.load(tmp_path / "straight.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bitwise

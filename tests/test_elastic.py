@@ -167,3 +167,29 @@ def test_a_killed_worker_is_left_out_then_rejoins_with_a_peers_state():
           f"{sorted(gaps)[len(gaps) // 2]:.3f} s); steps redone: 1; "
           f"restarted worker rejoined at step {rejoined[0]}, "
           f"{times[rejoined[0] - log0[0][0]] - killed_at:.1f} s after the kill")
+
+
+def test_bad_arguments():
+    net = nn.Linear(1, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    kw = {"lighthouse_address": "http://127.0.0.1:1", "worker_id": "w0"}
+    with pytest.raises(ValueError, match=r"\['1'\] are BatchNorm layers"):
+        elastic.ElasticTrainer(nn.Sequential(nn.Linear(1, 2), nn.BatchNorm1d(2)), opt, **kw)
+    with pytest.raises(TypeError, match=r"module must be a torch\.nn\.Module"):
+        elastic.ElasticTrainer(opt, opt, **kw)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="min_workers must be an int >= 1"):
+        elastic.ElasticTrainer(net, opt, min_workers=0, **kw)
+    with pytest.raises(ValueError, match="worker_id must be a non-empty str"):
+        elastic.ElasticTrainer(net, opt, lighthouse_address="x", worker_id="")
+    with pytest.raises(ValueError, match="min_workers must be an int >= 1"):
+        elastic.Lighthouse(min_workers=0)
+    with pytest.raises(TypeError, match="splits a tensor"):
+        elastic.StepInfo(index=0, rank=0, num_workers=1).shard(3)  # type: ignore[type-var]
+
+
+def test_shard_splits_the_global_batch_over_the_workers():
+    x = torch.arange(10)
+    parts = [elastic.StepInfo(index=0, rank=r, num_workers=3).shard((x, x * 2))
+             for r in range(3)]
+    assert [p[0].tolist() for p in parts] == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert torch.equal(torch.cat([p[1] for p in parts]), x * 2)

@@ -101,7 +101,8 @@ class ElasticTrainer:
     Raises:
         ImportError: torchft is not installed.
         TypeError: a module that is not an ``nn.Module``, or a wrong optimizer type.
-        ValueError: ``min_workers`` below 1, an empty ``worker_id``.
+        ValueError: ``min_workers`` below 1, an empty ``worker_id``, a module with
+            BatchNorm layers (their statistics are not synchronized across workers).
     """
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -114,6 +115,14 @@ class ElasticTrainer:
                             f"{type(optimizer).__name__}")
         if isinstance(min_workers, bool) or not isinstance(min_workers, int) or min_workers < 1:
             raise ValueError(f"min_workers must be an int >= 1; got {min_workers!r}")
+        batch_norms = [name for name, m in module.named_modules()
+                       if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        if batch_norms:
+            raise ValueError(
+                f"ElasticTrainer does not synchronize BatchNorm across workers, so the "
+                f"workers' running statistics would drift apart; {batch_norms} are "
+                "BatchNorm layers. Use GroupNorm or LayerNorm (or MultiWorkerMirroredStrategy "
+                "with sync_batch_norm=True)")
         if not isinstance(worker_id, str) or not worker_id:
             raise ValueError(f"worker_id must be a non-empty str; got {worker_id!r}")
         require_torchft("ElasticTrainer")

@@ -11,7 +11,10 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import os
+import pathlib
 import signal
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -193,3 +196,27 @@ def test_shard_splits_the_global_batch_over_the_workers():
              for r in range(3)]
     assert [p[0].tolist() for p in parts] == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
     assert torch.equal(torch.cat([p[1] for p in parts]), x * 2)
+
+
+@pytest.mark.timeout(200)
+def test_the_elastic_digits_example_trains_with_two_workers():
+    pytest.importorskip("sklearn")
+    example = pathlib.Path(__file__).parent.parent / "examples" / "train_digits_elastic.py"
+    lighthouse = elastic.Lighthouse(min_workers=2)
+    jobs: list[subprocess.Popen[str]] = []
+    try:
+        jobs += [subprocess.Popen([sys.executable, str(example), "--worker-id", f"w{i}",
+                                  "--lighthouse", lighthouse.address, "--steps", "60"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                for i in range(2)]
+        outs = [job.communicate(timeout=180)[0] for job in jobs]
+    finally:
+        for job in jobs:
+            job.kill()
+        lighthouse.close()
+    assert [job.returncode for job in jobs] == [0, 0], outs
+    for out in outs:
+        lines = out.splitlines()
+        assert lines[0].startswith("step 0 workers 2 loss") and "step 40 workers 2" in out
+        assert float(lines[-1].removeprefix("test accuracy: ")) > 0.8
+    assert outs[0].splitlines()[-1] == outs[1].splitlines()[-1]  # the same model

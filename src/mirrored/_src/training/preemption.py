@@ -272,5 +272,5 @@ class PreemptionCheckpointHandler:
                 self._manager.save(self._runs, self._objects)
         finally:
             self.close()
-            self._notice.clear()
+        self._notice.clear()
         self._config.exit_fn()  # if it returns, training goes on, no longer watched

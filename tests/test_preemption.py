@@ -157,6 +157,9 @@ def test_save_checkpoint_if_preempted_and_save_fn(tmp_path):
 def test_bad_arguments():
     strategy = mirrored.MirroredStrategy(["CPU:0"])
     objects = {"m": nn.Linear(1, 1)}
+    with pytest.raises(TypeError, match="takes the training's strategy"):
+        mirrored.PreemptionCheckpointHandler(
+            mirrored.cluster_resolver.SimpleClusterResolver(), objects, "d")
     with pytest.raises(ValueError, match="exactly one of checkpoint_dir"):
         mirrored.PreemptionCheckpointHandler(strategy, objects)
     with pytest.raises(TypeError, match=r"must be a mirrored\.TerminationConfig"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import socket
 from typing import Any
 
 __all__ = ["Lighthouse", "require_torchft"]
@@ -66,7 +67,10 @@ class Lighthouse:
             heartbeat_timeout_ms=int(heartbeat_timeout_seconds * 1000))
         host = bind.rsplit(":", 1)[0]
         port = self._server.address().rsplit(":", 1)[1]
-        # torchft reports the machine's host name; the address asked for is the one to use.
+        # torchft reports the machine's host name; a specific address asked for is the
+        # one to use (for all interfaces, the host name).
+        if host in ("", "0.0.0.0", "[::]"):
+            host = socket.gethostname()
         self.address = f"http://{host}:{port}"
         _log.info("elastic: lighthouse at %s (min %d workers)", self.address, min_workers)
 

@@ -109,7 +109,7 @@ class PreemptionCheckpointHandler:
         checkpoint_manager: an existing `CheckpointManager` instead of a directory.
 
     Raises:
-        TypeError: a bad ``checkpoint`` mapping or config type.
+        TypeError: not a strategy, a bad ``checkpoint`` mapping or config type.
         ValueError: neither or both of ``checkpoint_dir`` and ``checkpoint_manager``.
         RuntimeError: SIGTERM watching asked for off the main thread.
 
@@ -130,6 +130,10 @@ class PreemptionCheckpointHandler:
                  checkpoint_dir: str | os.PathLike[str] | None = None,
                  termination_config: TerminationConfig | None = None, *,
                  checkpoint_manager: CheckpointManager | None = None) -> None:
+        if not callable(getattr(strategy, "reduce", None)) or not hasattr(strategy, "extended"):
+            raise TypeError("PreemptionCheckpointHandler takes the training's strategy (TF "
+                            "takes a cluster resolver; here the strategy carries the job); "
+                            f"got {type(strategy).__name__}")
         config = TerminationConfig() if termination_config is None else termination_config
         if not isinstance(config, TerminationConfig):
             raise TypeError("termination_config must be a mirrored.TerminationConfig; got "

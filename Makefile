@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,examples]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,examples,elastic]'
 	touch $(STAMP)
 
 demo: $(STAMP)

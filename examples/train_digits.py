@@ -5,6 +5,8 @@
     python examples/train_digits.py --checkpoint-dir ckpt  # save every epoch, resume
     torchrun --nproc-per-node=2 --max-restarts=1 examples/train_digits.py --multi-worker \
         --checkpoint-dir ckpt                            # 2 workers, resumes after a restart
+    torchrun --nproc-per-node=2 --max-restarts=1 examples/train_digits.py --multi-worker \
+        --checkpoint-dir ckpt --preemption               # SIGTERM to a worker: all save, exit 42
 
 `MirroredStrategy` runs one copy of the model per replica ("CPU:0" ... are logical CPU
 devices, so this runs on any machine). Each step splits one global batch over the
@@ -52,11 +54,16 @@ parser.add_argument("--save-final", type=pathlib.Path, default=None,
                     help="write the final model state dict here")
 parser.add_argument("--multi-worker", action="store_true",
                     help="MultiWorkerMirroredStrategy over torchrun's (or TF_CONFIG's) workers")
+parser.add_argument("--preemption", action="store_true",
+                    help="on SIGTERM to any worker, every worker saves the same step to "
+                         "--checkpoint-dir and exits with code 42 (torchrun then restarts)")
 parser.add_argument("--crash-after-epoch", type=int, default=None,
                     help="(testing restarts) exit with an error after this epoch, once")
 args = parser.parse_args()
 if args.replicas < 1 or args.epochs < 0 or args.batch_size < 1:
     parser.error("--replicas and --batch-size must be >= 1, --epochs >= 0")
+if args.preemption and args.checkpoint_dir is None:
+    parser.error("--preemption saves to --checkpoint-dir: pass one")
 
 
 # -----------------------------------------------------------------------------
@@ -116,13 +123,23 @@ print(f"{strategy.num_replicas_in_sync} replica{'s' if strategy.num_replicas_in_
 # -----------------------------------------------------------------------------
 # resume from the latest checkpoint, if any
 
-start_epoch = 0
-checkpoints = None
-if args.checkpoint_dir is not None:
+start_epoch = skip = 0
+checkpoints = preemption = None
+state = {"model": model, "optimizer": optimizer}
+steps_per_epoch = -(-len(y_train) // args.batch_size)
+if args.preemption:
+    # Checkpoints numbered by steps: restores the newest, then watches for SIGTERM.
+    preemption = mirrored.PreemptionCheckpointHandler(strategy, state, args.checkpoint_dir)
+    checkpoints = preemption.checkpoint_manager
+    start_epoch, skip = divmod(preemption.total_run_calls, steps_per_epoch)
+    if preemption.total_run_calls:
+        print(f"resumed from step {preemption.total_run_calls} (epoch {start_epoch + 1}, "
+              f"batch {skip + 1})")
+elif args.checkpoint_dir is not None:
     # The chief writes atomically (temporary file, fsync, rename); every worker restores
     # the newest epoch into every replica's copy.
     checkpoints = mirrored.CheckpointManager(strategy, args.checkpoint_dir)
-    start_epoch = checkpoints.restore({"model": model, "optimizer": optimizer}) or 0
+    start_epoch = checkpoints.restore(state) or 0
     if start_epoch:
         print(f"resumed from epoch {start_epoch} ({checkpoints.path(start_epoch)})")
 
@@ -161,20 +178,28 @@ for epoch in range(start_epoch, args.epochs):
     model.train()
     batches = global_batches(x_train, y_train, args.batch_size,
                              shuffle_seed=args.seed * 100_003 + epoch)
+    first, skip = skip, 0  # a preempted epoch resumes at its next batch
+    batches = batches[first:]
     dataset = strategy.experimental_distribute_dataset(batches)  # yields PerReplica (x, y)
     losses, hits = [], []
     bar = tqdm(dataset, total=len(batches), desc=f"epoch {epoch + 1}/{args.epochs}",
                file=sys.stderr, leave=False, disable=not chief)
     for x, y in bar:
-        per_example_loss, correct = strategy.run(train_step, args=(x, y))
+        if preemption is not None:  # checks for a notice on any worker, then runs the step
+            per_example_loss, correct = preemption.run(strategy.run, train_step, args=(x, y))
+        else:
+            per_example_loss, correct = strategy.run(train_step, args=(x, y))
         losses.append(strategy.experimental_local_results(per_example_loss))
         hits.append(strategy.experimental_local_results(correct))
         bar.set_postfix(loss=f"{strategy.reduce('MEAN', per_example_loss, axis=0).item():.4f}")
     bar.close()
     print(f"epoch {epoch + 1}/{args.epochs} loss {epoch_mean(losses):.4f} "
-          f"accuracy {epoch_mean(hits):.4f}", flush=True)
-    if checkpoints is not None:
-        checkpoints.save(epoch + 1, {"model": model, "optimizer": optimizer})
+          f"accuracy {epoch_mean(hits):.4f}" + (f" (batches {first + 1}-)" if first else ""),
+          flush=True)
+    if preemption is not None:
+        checkpoints.save(preemption.total_run_calls, state)  # numbered by steps
+    elif checkpoints is not None:
+        checkpoints.save(epoch + 1, state)
     if args.crash_after_epoch == epoch + 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT",
                                                               "0") == "0":
         sys.exit(f"crashing after epoch {epoch + 1} (--crash-after-epoch)")
@@ -190,4 +215,6 @@ print(f"test accuracy: {epoch_mean(test_hits):.4f}")
 
 if args.save_final is not None and chief:
     torch.save(model.state_dict(), args.save_final)
+if preemption is not None:
+    preemption.close()  # the previous SIGTERM handler is back
 strategy.close()  # a multi-worker strategy also leaves the job

@@ -17,8 +17,11 @@ EXPECTED = {
     "MirroredModule",
     "MirroredOptimizer",
     "ReplicaDivergenceError",
+    "PreemptionCheckpointHandler",
+    "TerminationConfig",
     "WorkerFailureError",
     "cluster_resolver",
+    "elastic",
     "testing",
     "ReductionToOneDevice",
     "compute_average_loss",
@@ -45,10 +48,11 @@ EXPECTED = {
 
 def test_public_names_snapshot():
     assert set(mirrored.__all__) == EXPECTED
-    for name in set(mirrored.__all__) - {"experimental", "cluster_resolver", "testing"}:
+    for name in set(mirrored.__all__) - {"experimental", "cluster_resolver", "elastic", "testing"}:
         assert getattr(mirrored, name).__module__.startswith("mirrored")
     assert set(mirrored.experimental.__all__) == {"CommunicationImplementation",
                                                   "CommunicationOptions"}
+    assert set(mirrored.elastic.__all__) == {"ElasticTrainer", "Lighthouse", "StepInfo"}
 
 
 def test_public_modules_only_reexport():

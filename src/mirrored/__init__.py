@@ -10,6 +10,7 @@ Example:
 """
 
 from . import cluster_resolver as cluster_resolver
+from . import elastic as elastic
 from . import experimental as experimental
 from . import testing as testing
 from ._src.comm.cross_device_ops import CrossDeviceOps as CrossDeviceOps
@@ -44,6 +45,8 @@ from ._src.strategies.strategy import Strategy as Strategy
 from ._src.training.checkpoint import CheckpointManager as CheckpointManager
 from ._src.training.module import MirroredModule as MirroredModule
 from ._src.training.optimizer import MirroredOptimizer as MirroredOptimizer
+from ._src.training.preemption import PreemptionCheckpointHandler as PreemptionCheckpointHandler
+from ._src.training.preemption import TerminationConfig as TerminationConfig
 from ._src.values import DistributedValues as DistributedValues
 from ._src.values import Mirrored as Mirrored
 from ._src.values import PerReplica as PerReplica
@@ -65,8 +68,11 @@ __all__ = [
     "MirroredModule",
     "MirroredOptimizer",
     "ReplicaDivergenceError",
+    "PreemptionCheckpointHandler",
+    "TerminationConfig",
     "WorkerFailureError",
     "cluster_resolver",
+    "elastic",
     "testing",
     "ReductionToOneDevice",
     "compute_average_loss",

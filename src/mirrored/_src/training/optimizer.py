@@ -30,6 +30,7 @@ from . import amp
 from .buffers import BUFFER_RULES, BufferRule
 from .check import CHECKS, Check
 from .module import MirroredModule, replica_index, replica_of
+from . import overlap as _overlap
 from .reducer import GradientReducer
 
 # torch's registries of global optimizer hooks (empty dicts if this torch has none).
@@ -81,7 +82,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
 
     def __init__(self, module: MirroredModule, optimizers: tuple[torch.optim.Optimizer, ...],
                  params: tuple[list[nn.Parameter], ...], names: list[str], *,
-                 check: Check = "cheap", buffers: BufferRule = "average") -> None:
+                 check: Check = "cheap", buffers: BufferRule = "average",
+                 overlap: bool = False) -> None:
         # Optimizer.__init__ is not called: it would build param groups of its own.
         # These are the hook tables it sets, so torch's hook registration works.
         self._optimizer_step_pre_hooks: OrderedDict[int, Any] = OrderedDict()
@@ -94,7 +96,9 @@ class MirroredOptimizer(torch.optim.Optimizer):
         self._strategy = module.strategy
         self._optimizers = optimizers
         self._params = params
-        self._reducer = GradientReducer(module, params, names, check=check, buffers=buffers)
+        self._reducer = GradientReducer(module, params, names, check=check, buffers=buffers,
+                                        overlap=overlap,
+                                        bucket_bytes=_overlap.DEFAULT_BUCKET_BYTES)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -293,7 +297,8 @@ def _ordered_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
 
 def mirror_optimizer(strategy: Strategy, mirrored_module: MirroredModule,
                      make_optimizer: MakeOptimizer, *, check: Check = "cheap",
-                     buffers: BufferRule = "average") -> MirroredOptimizer:
+                     buffers: BufferRule = "average", overlap: bool | None = None
+                     ) -> MirroredOptimizer:
     """Builds ``make_optimizer(list(copy.parameters()))`` for every copy of
     ``mirrored_module`` and wraps them in a `MirroredOptimizer`.
 
@@ -316,10 +321,20 @@ def mirror_optimizer(strategy: Strategy, mirrored_module: MirroredModule,
             step: ``"average"`` (the default: floating-point buffers averaged over
             the replicas, others taken from replica 0), ``"broadcast"`` (all taken
             from replica 0, as DDP's ``broadcast_buffers``) or ``"off"``.
+        overlap: all-reduce the gradients in buckets launched as backward produces
+            them, so that the communication runs while backward goes on (as DDP's
+            reducer): ``None`` (the default) overlaps where it pays, across workers
+            (`MultiWorkerMirroredStrategy`), and not between the replicas of one
+            process (there the sum is made by a replica thread: nothing to hide);
+            ``True`` or ``False`` forces it. The results are bitwise the same
+            either way (see docs/design.md for the one exception: 3 or more
+            workers, where Gloo's ring adds in an order that depends on the
+            position in the transfer).
 
     Raises:
-        TypeError: not a `MirroredModule`, or ``make_optimizer`` returned something
-            other than a ``torch.optim.Optimizer``.
+        TypeError: not a `MirroredModule`, ``make_optimizer`` returned something
+            other than a ``torch.optim.Optimizer``, or ``overlap`` is not a bool or
+            ``None``.
         ValueError: the module belongs to another strategy, the optimizers do not
             cover the same parameters of every copy in the same order, or ``check``
             or ``buffers`` is not one of its values.
@@ -346,6 +361,11 @@ def mirror_optimizer(strategy: Strategy, mirrored_module: MirroredModule,
     if buffers not in BUFFER_RULES:
         raise ValueError(f"buffers must be one of {', '.join(map(repr, BUFFER_RULES))}; got "
                          f"{buffers!r}")
+    if overlap is not None and not isinstance(overlap, bool):
+        raise TypeError(f"overlap must be True, False or None (automatic); got "
+                        f"{type(overlap).__name__} {overlap!r}")
+    if overlap is None:
+        overlap = strategy._parts.topology.num_workers > 1
     amp.install()
     optimizers = []
     params = []
@@ -371,4 +391,4 @@ def mirror_optimizer(strategy: Strategy, mirrored_module: MirroredModule,
     named = {id(p): name for name, p in mirrored_module.replicas[0].named_parameters()}
     names = [named[id(p)] for p in params[0]]
     return MirroredOptimizer(mirrored_module, tuple(optimizers), tuple(params), names,
-                             check=check, buffers=buffers)
+                             check=check, buffers=buffers, overlap=overlap)

@@ -10,7 +10,8 @@ average and the other buffers (`buffers`). The reduced gradients replace
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -19,6 +20,7 @@ from ..errors import ReplicaDivergenceError
 from .buffers import BufferRule, BufferSync, other_buffers
 from .check import Check, GradientWatch, compare, fingerprint, modified_message, slots_per_tensor
 from .module import MirroredModule
+from .overlap import GradientBuckets
 
 if TYPE_CHECKING:
     from mirrored import ReplicaContext
@@ -39,10 +41,13 @@ class GradientReducer:
         names: the parameters' qualified names, in the same order.
         check: the fingerprint compared across replicas at every step (`check`).
         buffers: the rule for buffers other than BatchNorm's (`buffers`).
+        overlap: all-reduce the gradients in buckets launched while backward runs
+            (`GradientBuckets`), of at most ``bucket_bytes`` each.
     """
 
     def __init__(self, module: MirroredModule, params: tuple[list[nn.Parameter], ...],
-                 names: list[str], *, check: Check, buffers: BufferRule) -> None:
+                 names: list[str], *, check: Check, buffers: BufferRule,
+                 overlap: bool = False, bucket_bytes: int = 0) -> None:
         strategy = module.strategy
         local, n = len(params), strategy.num_replicas_in_sync
         self._num_replicas = n
@@ -64,6 +69,13 @@ class GradientReducer:
                                       torch.zeros(n * self._width, dtype=meta_dtype,
                                                   device=p[0].device)])
                            for p in params)
+        self.buckets: GradientBuckets | None = None
+        if overlap and n > 1:
+            parts = strategy._parts
+            self.buckets = GradientBuckets(params, parts.communicators.default,
+                                           parts.topology.devices, bucket_bytes)
+            # + this replica's stale and accumulated flags (see GradientBuckets)
+            self._meta = tuple(torch.cat([m, m.new_zeros(2)]) for m in self._meta)
 
     def discards(self, r: int) -> bool:
         """Whether replica ``r`` holds gradients of a ``backward()`` not yet all-reduced."""
@@ -92,11 +104,15 @@ class GradientReducer:
                             "gradients (sparse=False)")
         missing = [k for k, t in enumerate(grads) if t is None]
         meta = self._meta[r]
-        if missing:
+        buckets = self.buckets
+        if missing or buckets is not None:
             meta = meta.clone()
             meta[missing] = 0
             for k in missing:
                 grads[k] = torch.zeros_like(params[k])
+        if buckets is not None:
+            sums, stale, accumulated = ctx.merge_call(lambda _: _Finished(*buckets.finish()))
+            meta[-2:] = torch.tensor([float(stale), float(accumulated)])
         sync = self._sync[r]
         width = self._width if self.seq[r] % self._every == 0 else 0
         if width:
@@ -104,10 +120,21 @@ class GradientReducer:
             fingerprint(watched, self._check, meta[n + g * width:n + (g + 1) * width])
         stats = self._stats[r]
         sends = sync.send(g)
-        reduced = ctx.all_reduce("SUM", [*grads, meta, *stats, *sends])
-        self.seq[r] += 1
-        for p, t in zip(params, reduced[:n], strict=True):
-            p.grad = t
+        if buckets is None:
+            reduced = ctx.all_reduce("SUM", [*grads, meta, *stats, *sends])
+            self.seq[r] += 1
+            for p, t in zip(params, reduced[:n], strict=True):
+                p.grad = t
+        else:  # the gradients went in the buckets; the rest follows in one all-reduce
+            reduced = [*params, *ctx.all_reduce("SUM", [meta, *stats, *sends])]
+            self.seq[r] += 1
+            stale, accumulated = (bool(v > 0) for v in reduced[n][-2:].tolist())
+            buckets.decide(stale, accumulated)
+            if stale:  # a second backward changed launched buckets: as without overlap
+                for p, t in zip(params, ctx.all_reduce("SUM", grads), strict=True):
+                    p.grad = t
+            else:
+                buckets.assign(r, sums)
         if missing:
             present = reduced[n][:n].tolist()
             for k in missing:
@@ -122,6 +149,17 @@ class GradientReducer:
         if self._watch is not None:
             self._watch.clear(r)
         if width:
-            compare(reduced[n][n:].view(self._num_replicas, width), self._names, self.seq[r],
+            table = reduced[n][n:n + self._num_replicas * width]
+            compare(table.view(self._num_replicas, width), self._names, self.seq[r],
                     params=n, since=max(self.seq[r] - self._every, 0))
         self.reduced[r] = True
+
+
+class _Finished:
+    """`GradientBuckets.finish`'s result, handed to every replica as one object."""
+
+    def __init__(self, sums: list[list[torch.Tensor]], stale: bool, accumulated: bool) -> None:
+        self.sums, self.stale, self.accumulated = sums, stale, accumulated
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.sums, self.stale, self.accumulated))

@@ -1,0 +1,274 @@
+"""`GradientBuckets`: gradients all-reduced while backward runs.
+
+The parameters are grouped into buckets in reverse order (the order backward
+produces their gradients, as DDP's reducer starts), one dtype and device per
+bucket. A post-accumulate-grad hook on every parameter of every local replica
+counts the gradients in; when a bucket holds every local replica's gradients, the
+replica thread that completed it packs them, sums them in replica order (the
+step's own local sum) and launches the bucket's all-reduce: across workers an
+asynchronous ``torch.distributed`` call that runs while backward goes on. Buckets
+are launched strictly in order, and every bucket still missing a gradient when a
+replica's backward pass ends (an unused parameter) is completed then with zeros,
+so every worker makes the same calls in the same order before ``backward()``
+returns. ``step()`` waits for them (`GradientReducer`), and the step's small
+all-reduce (presence flags, fingerprints, BatchNorm statistics, buffers) follows.
+
+Exactness: each element is the same sum of the same values as without buckets
+(the local sum in replica order, then one cross-worker SUM). A second backward
+before ``step()`` (gradient accumulation) would make launched buckets stale: the
+hooks see it, the step's all-reduce tells every worker, and the step all-reduces
+the gradients again as without overlap; the next steps then launch at ``step()``
+(every worker decides alike from the same sums) until a step has one backward.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+
+from ..comm import packing
+from ..reduce_op import ReduceOp
+from ..runtime.random import library_call
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "GradientBuckets", "Pending", "bucket_plan", "hidden_time"]
+
+# Small enough that the digits models of the benchmarks get a few buckets (a bucket
+# is a round trip, so fewer and larger is cheaper when nothing is left to hide).
+DEFAULT_BUCKET_BYTES = 128 * 1024
+
+
+class Pending(Protocol):
+    """A launched bucket: ``works`` (asynchronous collectives, possibly none)."""
+
+    works: list[Any]
+
+
+class AsyncSum(Protocol):
+    """What the buckets need from a communicator (`DistributedCommunicator`)."""
+
+    def launch_sum(self, what: str, flats: Sequence[torch.Tensor], *, sync: bool
+                   ) -> Pending: ...
+
+    def finish_sum(self, pending: Pending) -> list[torch.Tensor]: ...
+
+
+class _Done:
+    """A bucket reduced at once (in-process replicas): nothing to wait for."""
+
+    def __init__(self, copies: list[torch.Tensor]) -> None:
+        self.works: list[Any] = []
+        self.copies = copies
+
+
+class _LocalSum:
+    """In-process replicas: the bucket's sum is made by the launching thread."""
+
+    def __init__(self, communicator: Any, devices: tuple[Any, ...]) -> None:
+        self._comm = communicator
+        self._devices = devices
+
+    def launch_sum(self, what: str, flats: Sequence[torch.Tensor], *, sync: bool) -> Pending:
+        reduced = self._comm.reduce_packed(ReduceOp.SUM, [[f] for f in flats],
+                                           [self._devices], 0)
+        return _Done(list(reduced[0]))
+
+    def finish_sum(self, pending: Pending) -> list[torch.Tensor]:
+        assert isinstance(pending, _Done)  # made by launch_sum
+        return pending.copies
+
+
+def bucket_plan(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[list[int]]:
+    """Parameter indices grouped into buckets, last parameter first; a bucket holds
+    one dtype and device and at most ``bucket_bytes`` (a larger parameter is a
+    bucket of its own).
+
+    Example:
+        >>> ps = [nn.Parameter(torch.zeros(n)) for n in (4, 4, 8, 2)]
+        >>> bucket_plan(ps, bucket_bytes=40)
+        [[3, 2], [1, 0]]
+    """
+    buckets: list[list[int]] = []
+    size = 0
+    key: tuple[torch.dtype, torch.device] | None = None
+    for k in reversed(range(len(params))):
+        p = params[k]
+        nbytes = p.numel() * p.element_size()
+        here = (p.dtype, p.device)
+        if not buckets or here != key or size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+            key = here
+        buckets[-1].append(k)
+        size += nbytes
+    return buckets
+
+
+def hidden_time(spans: Sequence[tuple[float, float]], backward_end: float
+                ) -> tuple[float, float]:
+    """(time covered by ``spans``, of it before ``backward_end``): the union of the
+    intervals, so concurrent calls count once.
+
+    Example:
+        >>> hidden_time([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)], backward_end=2.5)
+        (4.0, 2.5)
+    """
+    total = hidden = 0.0
+    end = float("-inf")
+    for start, stop in sorted(spans):
+        start = max(start, end)
+        if stop <= start:
+            continue
+        total += stop - start
+        hidden += max(0.0, min(stop, backward_end) - start)
+        end = stop
+    return total, hidden
+
+
+class GradientBuckets:
+    """The buckets of one mirrored optimizer, and their state for the current step.
+
+    Args:
+        params: each local replica's parameters, in the optimizer's order.
+        comm: launches and finishes a bucket's sum (`AsyncSum`), or a local
+            communicator (in-process replicas).
+        devices: the local replicas' devices (destinations of the sums).
+        bucket_bytes: the most bytes of gradients per bucket.
+    """
+
+    def __init__(self, params: tuple[list[nn.Parameter], ...], comm: Any,
+                 devices: tuple[Any, ...], bucket_bytes: int) -> None:
+        self._params = params
+        self._sum: AsyncSum = comm if hasattr(comm, "launch_sum") else _LocalSum(comm, devices)
+        self._local = len(params)
+        self.plan = bucket_plan(params[0], bucket_bytes)
+        self._bucket_of = [0] * len(params[0])
+        for b, members in enumerate(self.plan):
+            for k in members:
+                self._bucket_of[k] = b
+        self._lock = threading.Lock()
+        self.armed = False  # launch during backward this step (agreed by every worker)
+        self.verified = False  # the plan went through one fully checked step
+        self.stats = {"steps": 0.0, "comm_s": 0.0, "hidden_s": 0.0}
+        self._reset()
+        self.handles = [p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                            self._hook(r, k))
+                        for r, ps in enumerate(params) for k, p in enumerate(ps)]
+
+    def _reset(self) -> None:
+        n = len(self._params[0])
+        self._ready = [[False] * n for _ in range(self._local)]
+        self._left = [self._local * len(m) for m in self.plan]
+        self._next = 0  # the next bucket to launch
+        self._pending: list[Pending] = []
+        self._spans: list[list[float]] = []
+        self._queued = [False] * self._local
+        self.stale = False  # a launched bucket's gradient changed (a second backward)
+        self.accumulated = False  # a gradient was accumulated twice before the step
+
+    def remove(self) -> None:
+        """Removes every hook."""
+        for h in self.handles:
+            h.remove()
+
+    # ------------------------------------------------------------- backward
+    def _hook(self, r: int, k: int) -> Callable[[torch.Tensor], None]:
+        def hook(_: torch.Tensor) -> None:
+            with self._lock:
+                self._mark(r, k)
+                if self.armed and not self._queued[r]:
+                    self._queued[r] = True
+                    # torch runs queued callbacks when this backward pass ends
+                    # (a private entry point, stable since torch 1.x; DDP uses it).
+                    Variable._execution_engine.queue_callback(lambda: self._backward_end(r))
+        return hook
+
+    def _mark(self, r: int, k: int) -> None:
+        """Replica ``r``'s gradient ``k`` is in (lock held)."""
+        if self._ready[r][k]:
+            self.accumulated = True
+            if self._bucket_of[k] < self._next:
+                self.stale = True
+            return
+        self._ready[r][k] = True
+        b = self._bucket_of[k]
+        self._left[b] -= 1
+        if self.armed and self._left[b] == 0 and b == self._next:
+            library_call(self._launch_ready)
+
+    def _backward_end(self, r: int) -> None:
+        with self._lock:
+            self._queued[r] = False
+            for k in range(len(self._ready[r])):
+                if not self._ready[r][k]:
+                    self._mark(r, k)  # unused in this pass: zeros, as at the step
+
+    def _launch_ready(self) -> None:
+        """Launches every complete bucket in order (lock held)."""
+        while self._next < len(self.plan) and self._left[self._next] == 0:
+            self._launch(self._next, sync=False)
+            self._next += 1
+
+    def _launch(self, b: int, *, sync: bool) -> None:
+        members = self.plan[b]
+        flats = []
+        for ps in self._params:
+            grads = [ps[k].grad for k in members]
+            flats.append(packing.pack([g.detach() if g is not None else torch.zeros_like(ps[k])
+                                       for k, g in zip(members, grads, strict=True)]))
+        start = time.perf_counter()
+        pending = self._sum.launch_sum(f"gradient bucket {b + 1} of {len(self.plan)}", flats,
+                                       sync=sync)
+        # [launch, launch returned, completed (0: not seen yet)]
+        span = [start, time.perf_counter(), 0.0 if pending.works else time.perf_counter()]
+        self._spans.append(span)
+        for work in pending.works:
+            work.get_future().add_done_callback(
+                lambda _f, s=span: s.__setitem__(2, time.perf_counter()))
+        self._pending.append(pending)
+
+    # ----------------------------------------------------------------- step
+    def finish(self) -> tuple[list[list[torch.Tensor]], bool, bool]:
+        """At the step, once every local replica is there: launches the buckets not
+        launched yet (missing gradients as zeros), waits for all; returns each
+        bucket's sums (one flat tensor per local replica) and this step's stale and
+        accumulated flags, and starts the next step's count."""
+        with self._lock:
+            backward_end = time.perf_counter()
+            for b in range(self._next, len(self.plan)):
+                self._launch(b, sync=not self.verified)
+            self._next = len(self.plan)
+            out = []
+            for pending, span in zip(self._pending, self._spans, strict=True):
+                out.append(self._sum.finish_sum(pending))
+                if not span[2]:  # done, but its callback has not run yet
+                    span[2] = time.perf_counter()
+            total, hidden = hidden_time([(s[0], s[2]) for s in self._spans], backward_end)
+            self.stats["steps"] += 1
+            self.stats["comm_s"] += total
+            self.stats["hidden_s"] += hidden
+            flags = (self.stale, self.accumulated)
+            self.armed = False  # until the step's all-reduce says (decide)
+            self._reset()
+            return out, *flags
+
+    def assign(self, r: int, sums: list[list[torch.Tensor]]) -> None:
+        """Sets replica ``r``'s ``.grad`` to views of the bucket sums."""
+        params = self._params[r]
+        for members, per_replica in zip(self.plan, sums, strict=True):
+            like = [params[k] for k in members]
+            for k, part in zip(members, packing.unpack(per_replica[r], like), strict=True):
+                params[k].grad = part
+
+    def decide(self, stale: bool, accumulated: bool) -> None:
+        """After the step's all-reduce (every local replica, before it leaves the
+        step; all decide alike): the next step launches during backward unless some
+        replica of some worker accumulated or went stale in this one."""
+        with self._lock:
+            self.verified = True
+            self.armed = not (stale or accumulated)

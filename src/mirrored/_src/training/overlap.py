@@ -154,7 +154,8 @@ class GradientBuckets:
         self._lock = threading.Lock()
         self.armed = False  # launch during backward this step (agreed by every worker)
         self.verified = False  # the plan went through one fully checked step
-        self.stats = {"steps": 0.0, "comm_s": 0.0, "hidden_s": 0.0}
+        # steps, bucket communication (s), of it during backward (s), stale steps here
+        self.stats = {"steps": 0.0, "comm_s": 0.0, "hidden_s": 0.0, "redone": 0.0}
         self._reset()
         self.handles = [p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                             self._hook(r, k))
@@ -252,6 +253,7 @@ class GradientBuckets:
             self.stats["steps"] += 1
             self.stats["comm_s"] += total
             self.stats["hidden_s"] += hidden
+            self.stats["redone"] += self.stale
             flags = (self.stale, self.accumulated)
             self.armed = False  # until the step's all-reduce says (decide)
             self._reset()

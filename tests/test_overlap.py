@@ -1,0 +1,207 @@
+"""Gradients all-reduced while backward runs (`GradientBuckets`): bitwise the same
+parameters as without overlap, in one process and across workers, with unused
+parameters, gradient accumulation, an eval forward, BatchNorm statistics, buffers,
+GradScaler and the clip trap; and the same as one device in float64."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import mirrored
+from mirrored import ReplicaDivergenceError
+from mirrored._src.cluster import process_group
+from mirrored._src.training import overlap as overlap_module
+from mirrored._src.training.overlap import bucket_plan, hidden_time
+from mirrored.experimental import CommunicationOptions
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def small_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(overlap_module, "DEFAULT_BUCKET_BYTES", 1024)  # several buckets
+
+
+@pytest.fixture
+def two() -> Iterator[mirrored.MirroredStrategy]:
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    yield strategy
+    strategy.close()
+
+
+class Net(nn.Module):
+    """A small model with BatchNorm, a counter buffer and a head used only on demand."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(),
+                                  nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)).to(dtype)
+        self.extra = nn.Linear(3, 3).to(dtype)
+        self.register_buffer("calls", torch.zeros((), dtype=dtype))
+
+    def forward(self, x: torch.Tensor, use_extra: bool = True) -> torch.Tensor:
+        self.calls += 1
+        out = self.body(x)
+        return self.extra(out) if use_extra else out
+
+
+def batches(steps: int, parts: int, dtype: torch.dtype) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [[torch.randn(4, 6, generator=g).to(dtype) for _ in range(parts)]
+            for _ in range(steps)]
+
+
+def train(strategy: mirrored.Strategy, overlap: bool, *, dtype: torch.dtype = torch.float32,
+          steps: int = 5, accumulate: tuple[int, ...] = (1,) * 5, unused_at: int = -1,
+          scaler: bool = False) -> tuple[list[torch.Tensor], mirrored.MirroredOptimizer]:
+    """Trains on ``steps`` global batches; each replica gets 4 rows per backward,
+    ``accumulate[step]`` backward passes per step."""
+    n = strategy.num_replicas_in_sync
+    model = strategy.mirror(Net(dtype))
+    opt = strategy.mirror_optimizer(
+        model, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), overlap=overlap)
+    amp = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaler else None
+
+    def step(index: int, *xs: torch.Tensor) -> None:
+        with torch.no_grad():
+            model(xs[0])  # an eval-like forward: no hooks fire
+        for x in xs:
+            loss = mirrored.compute_average_loss(model(x, index != unused_at).pow(2).sum(1),
+                                                 global_batch_size=4 * n * len(xs))
+            (amp.scale(loss) if amp is not None else loss).backward()
+        if amp is not None:
+            amp.step(opt)
+            amp.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+
+    data = batches(steps, n * 2, dtype)
+    local = strategy.extended._parts.topology  # noqa: SLF001 (which rows are ours)
+    first = local.worker_index * local.num_local_replicas
+    for index, rows in enumerate(data):
+        args = [mirrored.PerReplica([rows[(first + r) * 2 + a]
+                                     for r in range(local.num_local_replicas)])
+                if local.num_local_replicas > 1 else rows[first * 2 + a]
+                for a in range(accumulate[index])]
+        strategy.run(step, args=(index, *args))
+    return [t.detach().clone() for t in model.replicas[0].state_dict().values()], opt
+
+
+def one_device(steps: int = 5, replicas: int = 2) -> list[torch.Tensor]:
+    model = Net(torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for rows in batches(steps, replicas * 2, torch.float64):
+        for x in rows[::2]:  # BatchNorm sees each replica's rows, as each replica does
+            model(x, True).pow(2).sum(1).sum().div(4 * replicas).backward()
+        opt.step()
+        opt.zero_grad()
+    return list(model.state_dict().values())
+
+
+def assert_bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y), (x - y).abs().max()
+
+
+# Accumulation: steps 3 and 4 take two backward passes: step 3's launched buckets go
+# stale (redone at the step), step 4 launches at step(), step 5 launches in backward.
+ACCUMULATE = {"accumulate": (1, 1, 2, 2, 1)}
+CASES = [{}, ACCUMULATE, {"accumulate": (2,) * 5}, {"unused_at": 2}, {"scaler": True}]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_overlap_is_bitwise_the_same_in_process(two: mirrored.MirroredStrategy,
+                                                case: dict[str, object]) -> None:
+    off, _ = train(two, False, **case)
+    on, opt = train(two, True, **case)
+    assert_bitwise(off, on)
+    buckets = opt._reducer.buckets  # noqa: SLF001
+    assert buckets is not None and len(buckets.plan) > 2
+    assert buckets.stats["steps"] == 5
+    # Accumulation at the last step: the next launches at step() (decided alike).
+    assert buckets.armed is (case != {"accumulate": (2,) * 5})
+    assert buckets.stats["redone"] == (1 if case == ACCUMULATE else 0)
+
+
+def test_overlap_equals_one_device_in_float64(two: mirrored.MirroredStrategy) -> None:
+    on, _ = train(two, True, dtype=torch.float64)
+    reference = one_device()
+    # BatchNorm's running statistics are averaged over replicas (one device's see
+    # every row in one batch-of-4 at a time, twice): compare parameters only.
+    names = list(Net(torch.float64).state_dict())
+    for name, x, y in zip(names, on, reference, strict=True):
+        if "running" not in name and "calls" not in name and "num_batches" not in name:
+            torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_clipping_before_step_still_raises_with_overlap(two: mirrored.MirroredStrategy
+                                                        ) -> None:
+    model = two.mirror(Net(torch.float32))
+    opt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1), overlap=True)
+
+    def step(x: torch.Tensor) -> None:
+        mirrored.compute_average_loss(model(x).pow(2).sum(1)).backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+        opt.step()
+
+    x = torch.randn(8, 6)
+    with pytest.raises(ReplicaDivergenceError, match="changed in place"):
+        two.run(step, args=(mirrored.PerReplica([x[:4], x[4:]]),))
+
+
+def test_overlap_is_checked() -> None:
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    model = strategy.mirror(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="overlap must be True, False or None"):
+        strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1),
+                                  overlap="yes")  # type: ignore[arg-type]
+    auto = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+    assert auto._reducer.buckets is None  # noqa: SLF001 (in-process: off by default)
+    strategy.close()
+
+
+def test_bucket_plan_and_hidden_time() -> None:
+    ps = [nn.Parameter(torch.zeros(n)) for n in (4, 4, 8, 2)] + [
+        nn.Parameter(torch.zeros(2, dtype=torch.float64))]
+    assert bucket_plan(ps, 40) == [[4], [3, 2], [1, 0]]
+    assert bucket_plan(ps, 0) == [[4], [3], [2], [1], [0]]
+    assert hidden_time([(0.0, 1.0), (0.5, 2.0)], backward_end=1.5) == (2.0, 1.5)
+    assert hidden_time([], backward_end=1.0) == (0.0, 0.0)
+
+
+def _worker_train(local: int) -> list[list[torch.Tensor]]:
+    overlap_module.DEFAULT_BUCKET_BYTES = 1024
+    strategy = mirrored.MultiWorkerMirroredStrategy(
+        communication_options=CommunicationOptions(timeout_seconds=60),
+        devices=[f"CPU:{i}" for i in range(local)])
+    try:
+        out = []
+        for case in ({}, ACCUMULATE, {"unused_at": 2}):
+            for overlap in (False, True):
+                params, opt = train(strategy, overlap, **case)  # type: ignore[arg-type]
+                buckets = opt._reducer.buckets  # noqa: SLF001
+                assert (buckets is not None) is overlap
+                if buckets is not None:
+                    assert buckets.armed and len(buckets.plan) > 2
+                out.append(params)
+        return out
+    finally:
+        strategy.close()
+        process_group.destroy_process_group()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("local", [1, 2])
+def test_overlap_is_bitwise_the_same_across_workers(local: int) -> None:
+    results = mirrored.testing.run_multi_process(_worker_train, 2, args=(local,), timeout=200)
+    for worker in results:
+        for k in (0, 2, 4):
+            assert_bitwise(worker[k], worker[k + 1])
+    assert_bitwise(results[0][1], results[1][1])

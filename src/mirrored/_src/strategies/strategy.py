@@ -250,11 +250,12 @@ class Strategy:
                                                any_worker=distribute.vote(self._parts))
 
     # --------------------------------------------------------- training
-    def mirror(self, module: torch.nn.Module, *, sync_batch_norm: bool = False
-               ) -> MirroredModule:
+    def mirror(self, module: torch.nn.Module, *, sync_batch_norm: bool = False,
+               buffers: str = "broadcast") -> MirroredModule:
         """One copy of ``module`` per local replica device (`MirroredModule`); in
         replica context a call runs the replica's copy. ``sync_batch_norm=True``
-        normalizes every BatchNorm layer with global-batch statistics.
+        normalizes every BatchNorm layer with global-batch statistics; ``buffers``
+        (``"broadcast"`` or ``"mean"``) keeps other buffers equal (see `mirror`).
 
         Example:
             >>> import torch, mirrored
@@ -264,7 +265,7 @@ class Strategy:
             2
         """
         distribute.sync_from_chief(self._parts, module)
-        return mirror(self, module, sync_batch_norm=sync_batch_norm)
+        return mirror(self, module, sync_batch_norm=sync_batch_norm, buffers=buffers)
 
     def mirror_optimizer(self, module: MirroredModule,
                          make_optimizer: Callable[[Any], torch.optim.Optimizer]

@@ -155,7 +155,7 @@ class MirroredModule(CopiesModule):
         index = self._known.get(ctx) if ctx is not None else None
         if index is None:
             index = self._index() or 0
-        return self._calls[index](*args, **kwargs)
+        return _run_copy(self._calls[index], *args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The current copy's ``forward`` (without its hooks, as in torch)."""
@@ -293,8 +293,14 @@ def _skip_in_dynamo(code: Any) -> None:
     set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
 
 
-# torch.compile(mirrored_model) compiles the copy that __call__ picks (one cache entry
-# per copy, each guarded on its own module), never the library's bookkeeping.
+def _run_copy(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Calls one copy. Under ``torch.compile(mirrored_model)`` this is the frame dynamo
+    compiles (``MirroredModule.__call__`` is skipped, and torch's own module frames
+    are only traced from a compiled frame): its guards name that copy alone, so each
+    copy has its own compile cache budget, and no library bookkeeping is traced."""
+    return module(*args, **kwargs)
+
+
 _skip_in_dynamo(MirroredModule.__call__.__code__)
 
 

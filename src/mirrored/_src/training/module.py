@@ -1,10 +1,14 @@
-"""`MirroredModule`: one copy of a torch module per local replica device.
+"""`MirroredModule`: one copy of a torch module per local replica device, itself a
+``torch.nn.Module`` that behaves like the module it wraps.
 
 Owns the copies and the rule for which copy the current code sees: a replica
 inside ``strategy.run`` sees its own copy; cross-replica code (a scope, a
 ``merge_fn``, or plain code while no ``run`` is in flight) sees replica 0's.
-Any other thread is refused. It also knows which buffers a mirrored optimizer
-averages after each step (BatchNorm running statistics without sync BN).
+Any other thread is refused. The ``nn.Module`` members are in `CopiesModule`;
+here are the lookup (one dict probe on the hot path), attribute delegation,
+pickling as replica 0's plain module, ``torch.compile`` before and after
+`mirror`, and the buffers a mirrored optimizer keeps equal after each step
+(BatchNorm statistics averaged; the others by ``buffers="broadcast"|"mean"``).
 """
 
 from __future__ import annotations

@@ -296,13 +296,18 @@ def test_compile_before_or_after_mirror_trains_like_one_device(where: str) -> No
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("where", ["before_mirror", "after_mirror"])
+@pytest.mark.parametrize("where", ["before_mirror", "after_mirror", "in_place"])
 def test_compiled_replicas_each_run_their_own_copy(where: str) -> None:
+    torch._dynamo.reset()
+    counters.clear()
     strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"], per_replica_random=False)
     try:
         if where == "before_mirror":
             model = strategy.mirror(torch.compile(net(), backend="eager"))
             compiled: nn.Module = model
+        elif where == "in_place":
+            model = compiled = strategy.mirror(net())
+            model.compile(backend="eager")  # nn.Module.compile on every copy
         else:
             model = strategy.mirror(net())
             compiled = torch.compile(model, backend="eager")
@@ -315,6 +320,7 @@ def test_compiled_replicas_each_run_their_own_copy(where: str) -> None:
                 torch.testing.assert_close(out.values[r], c(x), rtol=0, atol=0)
         assert not torch.equal(out.values[0], out.values[1])
         assert torch.equal(compiled(x), model.replicas[0](x))  # outside run: replica 0's
+        assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])
     finally:
         strategy.close()
 

@@ -242,11 +242,12 @@ class Strategy:
                                                any_worker=distribute.vote(self._parts))
 
     # --------------------------------------------------------- training
-    def mirror(self, module: torch.nn.Module, *, sync_batch_norm: bool = False
-               ) -> MirroredModule:
+    def mirror(self, module: torch.nn.Module, *,
+               sync_batch_norm: bool = False) -> MirroredModule:
         """One copy of ``module`` per local replica device (`MirroredModule`); in
         replica context a call runs the replica's copy. ``sync_batch_norm=True``
-        normalizes every BatchNorm layer with global-batch statistics.
+        normalizes every BatchNorm layer with global-batch statistics (other
+        buffers follow ``mirror_optimizer(buffers=)``).
 
         Example:
             >>> import torch, mirrored

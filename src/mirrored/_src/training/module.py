@@ -1,17 +1,23 @@
-"""`MirroredModule`: one copy of a torch module per local replica device.
+"""`MirroredModule`: one copy of a torch module per local replica device, itself a
+``torch.nn.Module`` that behaves like the module it wraps.
 
 Owns the copies and the rule for which copy the current code sees: a replica
 inside ``strategy.run`` sees its own copy; cross-replica code (a scope, a
 ``merge_fn``, or plain code while no ``run`` is in flight) sees replica 0's.
-Any other thread is refused. It also knows which buffers a mirrored optimizer
-averages after each step (BatchNorm running statistics without sync BN).
+Any other thread is refused. The ``nn.Module`` members are in `CopiesModule`;
+here are the lookup (one dict probe on the hot path), attribute delegation,
+pickling as replica 0's plain module, ``torch.compile`` before and after
+`mirror`, and the BatchNorm statistics a mirrored optimizer averages after each
+step (the other buffers follow ``mirror_optimizer(buffers=)``).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+import copyreg
+import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, SupportsIndex, cast
 
 import torch
 from torch import nn
@@ -20,11 +26,12 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .. import context
 from ..devices import parse_device
 from .batch_norm import convert_batch_norm
+from .copies import CopiesModule
 
 if TYPE_CHECKING:
     from mirrored import ReplicaContext, Strategy
 
-__all__ = ["MirroredModule", "mirror", "replica_index", "replica_of"]
+__all__ = ["MirroredModule", "as_mirrored_module", "mirror", "replica_index", "replica_of"]
 
 
 def replica_index(strategy: Strategy, what: str, *, required: bool) -> int | None:
@@ -69,13 +76,19 @@ def replica_of(strategy: Strategy, what: str) -> tuple[ReplicaContext, int]:
     return ctx, ctx.replica_id_in_sync_group % len(strategy.extended.worker_devices)
 
 
-class MirroredModule:
-    """One copy of a module per local replica device, equal at creation.
+class MirroredModule(CopiesModule):
+    """One copy of a module per local replica device, equal at creation; a
+    ``torch.nn.Module`` that behaves like the module it wraps.
 
-    Inside ``strategy.run`` each replica calls (and sees the parameters of) its
-    own copy; elsewhere the module behaves like replica 0's copy. Replica 0's
-    copy is the module given to `mirror` (moved to the first device); the others
-    are deep copies. Build with `mirror`, train with `mirror_optimizer`.
+    Inside ``strategy.run`` each replica calls (and sees the parameters and
+    attributes of) its own copy; elsewhere the module behaves like replica 0's copy.
+    Members that change the module (``train``, ``apply``, ``half``, hooks, attribute
+    assignment) act on every copy outside ``run`` and on the replica's own copy
+    inside it. ``parameters()`` yields one model's parameters, once.
+    ``pickle``/``torch.save``/``copy.deepcopy`` give a plain module: a copy of
+    replica 0's. Replica 0's copy is the module given to `mirror` (moved to the
+    first device); the others are deep copies. Build with `mirror`, train with
+    `mirror_optimizer`.
 
     Example:
         >>> import torch, mirrored
@@ -86,19 +99,71 @@ class MirroredModule:
         ...                                                     torch.ones(3, 2)]),))
         >>> [tuple(o.shape) for o in out.values]
         [(1, 1), (3, 1)]
-        >>> sorted(model.state_dict())
-        ['bias', 'weight']
+        >>> sorted(model.state_dict()), sum(p.numel() for p in model.parameters())
+        (['bias', 'weight'], 3)
+        >>> isinstance(model, torch.nn.Module), model.in_features
+        (True, 2)
     """
 
-    __slots__ = ("_averaged", "_copies", "_strategy", "_sync_batch_norm")
+    _strategy: Strategy
+    _calls: tuple[nn.Module, ...]
+    _sync_batch_norm: bool
+    _averaged: tuple[list[torch.Tensor], ...] | None
+    _known: dict[Any, int]
 
     def __init__(self, strategy: Strategy, copies: tuple[nn.Module, ...], *,
-                 sync_batch_norm: bool) -> None:
-        self._strategy = strategy
-        self._copies = copies
-        self._sync_batch_norm = sync_batch_norm
-        self._averaged: tuple[list[torch.Tensor], ...] | None = None
+                 sync_batch_norm: bool,
+                 calls: tuple[nn.Module, ...] | None = None) -> None:
+        super().__init__()
+        own = self.__dict__
+        own["_strategy"] = strategy
+        own["_devices"] = tuple(parse_device(name).torch_device
+                                for name in strategy.extended.worker_devices)
+        own["_calls"] = copies if calls is None else calls
+        own["_sync_batch_norm"] = sync_batch_norm
+        own["_averaged"] = None
+        # ReplicaContext -> local index: the hot path's one lookup. Filled once here, so a
+        # compiled step that inlines __call__ guards on a dict that never changes.
+        n = len(copies)
+        own["_known"] = {ctx: ctx.replica_id_in_sync_group % n
+                         for ctx in getattr(strategy, "_contexts", ())}
+        own["_copies"] = copies  # last: its presence marks the shell as built
 
+    # ---------------------------------------------------- which copy code sees
+    def _index(self) -> int | None:
+        ctx = context.current_replica_context()
+        if ctx is not None:
+            index: int | None = self._known.get(ctx)
+            if index is not None:
+                return index
+        return replica_index(self._strategy, "MirroredModule", required=False)
+
+    def _current(self) -> nn.Module:
+        index = self._index()
+        return self._copies[0 if index is None else index]
+
+    def _targets(self) -> tuple[nn.Module, ...]:
+        index = self._index()
+        return self._copies if index is None else (self._copies[index],)
+
+    def _cross_replica(self, what: str) -> None:
+        if self._index() is not None:
+            raise RuntimeError(f"{what} changes every replica's copy; call it outside "
+                               "strategy.run, not from a replica")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Calls the current copy (see `module`)."""
+        ctx = context.current_replica_context()
+        index = self._known.get(ctx) if ctx is not None else None
+        if index is None:
+            index = self._index() or 0
+        return _run_copy(self._calls[index], *args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The current copy's ``forward`` (without its hooks, as in torch)."""
+        return self._calls[self._index() or 0].forward(*args, **kwargs)
+
+    # ------------------------------------------------------------- properties
     @property
     def strategy(self) -> Strategy:
         """The strategy whose replicas own the copies."""
@@ -106,7 +171,7 @@ class MirroredModule:
 
     @property
     def replicas(self) -> tuple[nn.Module, ...]:
-        """Every local copy, in local replica order (index 0 is replica 0's)."""
+        """Every local copy (plain modules), in local replica order (index 0 is replica 0's)."""
         return self._copies
 
     @property
@@ -117,71 +182,57 @@ class MirroredModule:
     @property
     def module(self) -> nn.Module:
         """The copy the calling code sees: its own in a replica, else replica 0's."""
-        r = replica_index(self._strategy, "MirroredModule", required=False)
-        return self._copies[0 if r is None else r]
+        return self._current()
 
-    @property
-    def training(self) -> bool:
-        """Whether the copies are in training mode."""
-        return self._copies[0].training
+    # --------------------------------------------------- attribute delegation
+    def __getattr__(self, name: str) -> Any:
+        if "_copies" not in self.__dict__:  # during construction or unpickling
+            raise AttributeError(name)
+        return getattr(self._current(), name)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Calls the current copy (see `module`)."""
-        return self.module(*args, **kwargs)
+    def __setattr__(self, name: str, value: Any) -> None:
+        if "_copies" not in self.__dict__ or name in _OWN:
+            object.__setattr__(self, name, value)
+            return
+        targets = self._targets()
+        for c, v in zip(targets, self._replicated(value, targets), strict=True):
+            setattr(c, name, v)
 
-    forward = __call__
+    def __delattr__(self, name: str) -> None:
+        for c in self._targets():
+            delattr(c, name)
 
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        """The current copy's parameters (`torch.nn.Module.parameters`)."""
-        return self.module.parameters(recurse)
+    def __dir__(self) -> list[str]:
+        return sorted(set(object.__dir__(self)) | set(dir(self._current())))
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True
-                         ) -> Iterator[tuple[str, nn.Parameter]]:
-        """The current copy's named parameters."""
-        return self.module.named_parameters(prefix, recurse)
+    def __getitem__(self, key: Any) -> Any:
+        return self._current()[key]  # type: ignore[index]
 
-    def buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
-        """The current copy's buffers."""
-        return self.module.buffers(recurse)
+    def __len__(self) -> int:
+        return len(self._current())  # type: ignore[arg-type]
 
-    def named_buffers(self, prefix: str = "", recurse: bool = True
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The current copy's named buffers."""
-        return self.module.named_buffers(prefix, recurse)
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._current())  # type: ignore[call-overload,no-any-return]
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """The current copy's state dict: the same keys as the plain module's."""
-        return self.module.state_dict(*args, **kwargs)
+    def __bool__(self) -> bool:
+        return True
 
-    def _cross_replica(self, what: str) -> None:
-        if replica_index(self._strategy, what, required=False) is not None:
-            raise RuntimeError(f"{what} changes every replica's copy; call it outside "
-                               "strategy.run, not from a replica")
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
+        """``pickle``, ``torch.save`` and ``copy.deepcopy`` see replica 0's copy: they
+        give a plain module (the copies are equal)."""
+        reduced = self._copies[0].__reduce_ex__(protocol)
+        if isinstance(reduced, tuple) and reduced[0] is _NEWOBJ and len(reduced[1]) == 1:
+            # pickle checks that __newobj__ builds the class of the object pickled
+            return (_RECONSTRUCTOR, (reduced[1][0], object, None), *reduced[2:])
+        return reduced
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
-        """Loads ``state_dict`` (a plain module's or a mirrored one's) into every copy.
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """``torch.nn.Module.compile`` of every copy (in place, same arguments)."""
+        self._cross_replica("MirroredModule.compile")
+        for c in self._calls:
+            c.compile(*args, **kwargs)
 
-        Returns:
-            Replica 0's ``(missing_keys, unexpected_keys)``.
-
-        Raises:
-            RuntimeError: called from a replica, or keys do not match (``strict``).
-        """
-        self._cross_replica("MirroredModule.load_state_dict")
-        results = [c.load_state_dict(state_dict, strict) for c in self._copies]
-        return results[0]
-
-    def train(self, mode: bool = True) -> MirroredModule:
-        """Sets training mode on every copy; returns ``self``."""
-        self._cross_replica("MirroredModule.train")
-        for c in self._copies:
-            c.train(mode)
-        return self
-
-    def eval(self) -> MirroredModule:
-        """Sets evaluation mode on every copy; returns ``self``."""
-        return self.train(False)
-
+    # ----------------------------------------------------------------- buffers
     def averaged_buffers(self, index: int) -> list[torch.Tensor]:
         """The buffers of copy ``index`` that a mirrored optimizer averages across
         replicas after each step: BatchNorm running means and variances, unless
@@ -200,26 +251,81 @@ class MirroredModule:
                 f"{type(self._copies[0]).__name__}, sync_batch_norm={self._sync_batch_norm})")
 
 
-def mirror(strategy: Strategy, module: nn.Module, *, sync_batch_norm: bool = False
-           ) -> MirroredModule:
+_NEWOBJ = getattr(copyreg, "__newobj__")  # noqa: B009 (not in typeshed)
+_RECONSTRUCTOR = getattr(copyreg, "_reconstructor")  # noqa: B009
+# Attributes of the shell itself (assigned on it, never forwarded to the copies).
+_OWN = frozenset({"_strategy", "_devices", "_calls", "_sync_batch_norm",
+                  "_averaged", "_known", "_copies", "training"})
+
+
+def _skip_in_dynamo(code: Any) -> None:
+    """Dynamo skips the frame of ``code`` and compiles what it calls (its
+    ``skip_code``, through torch's C extension: importing ``torch._dynamo`` takes
+    seconds). Older torch without it traces the frame instead, which also works."""
+    try:
+        from torch._C._dynamo.eval_frame import (
+            _FrameAction,
+            _FrameExecStrategy,
+            set_code_exec_strategy,
+        )
+    except ImportError:  # pragma: no cover
+        return
+    set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
+
+
+def _run_copy(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Calls one copy. Under ``torch.compile(mirrored_model)`` this is the frame dynamo
+    compiles (``MirroredModule.__call__`` is skipped, and torch's own module frames
+    are only traced from a compiled frame): its guards name that copy alone, so each
+    copy has its own compile cache budget, and no library bookkeeping is traced."""
+    return module(*args, **kwargs)
+
+
+_skip_in_dynamo(MirroredModule.__call__.__code__)
+
+
+def _compiled_wrapper(module: nn.Module) -> Any:
+    """The ``torch.compile`` context of ``module`` if it is an ``OptimizedModule``
+    (looked up only if dynamo was imported: nothing is compiled otherwise)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    return module.dynamo_ctx if optimized is not None and isinstance(module, optimized) else None
+
+
+def as_mirrored_module(obj: object) -> MirroredModule | None:
+    """``obj`` as a `MirroredModule`: itself, or the mirrored module that
+    ``torch.compile`` wrapped; ``None`` for anything else."""
+    if isinstance(obj, MirroredModule):
+        return obj
+    if isinstance(obj, nn.Module) and _compiled_wrapper(obj) is not None:
+        inner = obj._orig_mod
+        return inner if isinstance(inner, MirroredModule) else None
+    return None
+
+
+def mirror(strategy: Strategy, module: nn.Module, *,
+           sync_batch_norm: bool = False) -> MirroredModule:
     """Mirrors ``module`` over the local replica devices of ``strategy``.
 
     ``module`` itself becomes replica 0's copy (moved to the first device in place);
     the other copies are deep copies moved to their devices. With
     ``sync_batch_norm=True`` every BatchNorm layer (in every copy, ``module``
     included) is replaced by a `MirroredBatchNorm` that normalizes with the
-    statistics of the global batch; state dict keys do not change.
+    statistics of the global batch; state dict keys do not change. A module
+    compiled with ``torch.compile`` is mirrored as the module it wraps, and every
+    copy is compiled with the same settings.
 
     Args:
         strategy: the strategy whose replicas train the module.
-        module: a ``torch.nn.Module``.
+        module: a ``torch.nn.Module`` (or ``torch.compile`` of one).
         sync_batch_norm: use global-batch BatchNorm statistics.
 
     Returns:
         The `MirroredModule`.
 
     Raises:
-        TypeError: ``module`` is not a ``torch.nn.Module``.
+        TypeError: ``module`` is not a ``torch.nn.Module``, or was compiled in place
+            with ``module.compile()`` (compile the mirrored module instead).
         RuntimeError: called inside ``strategy.run``.
 
     Example:
@@ -238,10 +344,25 @@ def mirror(strategy: Strategy, module: nn.Module, *, sync_batch_norm: bool = Fal
     if context.current_replica_context() is not None and context.has_strategy():
         raise RuntimeError("mirror(strategy, module) must be called outside strategy.run "
                            "(create the mirrored module once, then use it in run)")
+    if isinstance(module, MirroredModule):
+        raise TypeError("mirror(strategy, module) got a MirroredModule; mirror the plain "
+                        "module once")
+    compiler = _compiled_wrapper(module)
+    if compiler is not None:  # torch.compile(module): mirror the module it wraps
+        module = cast(nn.Module, module._orig_mod)
+    inplace = [name or "the module" for name, m in module.named_modules()
+               if getattr(m, "_compiled_call_impl", None) is not None]
+    if inplace:
+        raise TypeError(f"mirror(strategy, module): {inplace[0]} was compiled in place with "
+                        ".compile(), which a copy cannot carry over; mirror the plain module "
+                        "and call model.compile() on the mirrored model (or pass "
+                        "torch.compile(module) to mirror)")
     devices = [parse_device(name).torch_device for name in strategy.extended.worker_devices]
     if sync_batch_norm:
         module = convert_batch_norm(module)
     copies = [module.to(devices[0])]
     for device in devices[1:]:
         copies.append(copy.deepcopy(module).to(device))
-    return MirroredModule(strategy, tuple(copies), sync_batch_norm=sync_batch_norm)
+    calls = None if compiler is None else tuple(compiler(c) for c in copies)
+    return MirroredModule(strategy, tuple(copies), sync_batch_norm=sync_batch_norm,
+                          calls=calls)

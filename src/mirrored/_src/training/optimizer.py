@@ -29,8 +29,8 @@ from ..runtime.random import library_call
 from . import amp
 from .buffers import BUFFER_RULES, BufferRule
 from .check import CHECKS, Check
-from .module import MirroredModule, replica_index, replica_of
 from . import overlap as _overlap
+from .module import MirroredModule, as_mirrored_module, replica_index, replica_of
 from .reducer import GradientReducer
 
 # torch's registries of global optimizer hooks (empty dicts if this torch has none).
@@ -348,9 +348,10 @@ def mirror_optimizer(strategy: Strategy, mirrored_module: MirroredModule,
         >>> opt.param_groups[0]["lr"]
         0.1
     """
-    if not isinstance(mirrored_module, MirroredModule):
+    if (unwrapped := as_mirrored_module(mirrored_module)) is None:  # torch.compile'd too
         raise TypeError(f"mirror_optimizer takes a MirroredModule (from strategy.mirror); got "
                         f"{type(mirrored_module).__name__}")
+    mirrored_module = unwrapped
     if mirrored_module.strategy is not strategy:
         raise ValueError(f"the module was mirrored by {mirrored_module.strategy!r}, not by "
                          f"{strategy!r}; build the optimizer with the module's own strategy")

@@ -52,6 +52,8 @@ class Pending(Protocol):
 class AsyncSum(Protocol):
     """What the buckets need from a communicator (`DistributedCommunicator`)."""
 
+    def overlaps(self, dtype: torch.dtype) -> bool: ...
+
     def launch_sum(self, what: str, flats: Sequence[torch.Tensor], *, sync: bool
                    ) -> Pending: ...
 
@@ -72,6 +74,9 @@ class _LocalSum:
     def __init__(self, communicator: Any, devices: tuple[Any, ...]) -> None:
         self._comm = communicator
         self._devices = devices
+
+    def overlaps(self, dtype: torch.dtype) -> bool:
+        return True
 
     def launch_sum(self, what: str, flats: Sequence[torch.Tensor], *, sync: bool) -> Pending:
         reduced = self._comm.reduce_packed(ReduceOp.SUM, [[f] for f in flats],
@@ -147,6 +152,8 @@ class GradientBuckets:
         self._sum: AsyncSum = comm if hasattr(comm, "launch_sum") else _LocalSum(comm, devices)
         self._local = len(params)
         self.plan = bucket_plan(params[0], bucket_bytes)
+        # A bucket whose dtype cannot carry its call check in the data waits for the step.
+        self._early = [self._sum.overlaps(params[0][m[0]].dtype) for m in self.plan]
         self._bucket_of = [0] * len(params[0])
         for b, members in enumerate(self.plan):
             for k in members:
@@ -211,7 +218,8 @@ class GradientBuckets:
 
     def _launch_ready(self) -> None:
         """Launches every complete bucket in order (lock held)."""
-        while self._next < len(self.plan) and self._left[self._next] == 0:
+        while (self._next < len(self.plan) and self._left[self._next] == 0
+               and self._early[self._next]):
             self._launch(self._next, sync=False)
             self._next += 1
 

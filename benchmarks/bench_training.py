@@ -20,6 +20,10 @@ SGD, in examples per second, as ratios against baselines measured in the same ru
     the count all-reduce of ``compute_average_loss``.
 (d) the divergence check (``mirror_optimizer(check=...)``) on 2 replicas: the default
     ``"cheap"`` and the debugging ``"full"`` against ``"off"``. Target: < 2 %.
+(e) gradients all-reduced while backward runs (``mirror_optimizer(overlap=True)``)
+    against ``overlap=False`` (the in-process default), 2 replicas, with the
+    share of the buckets' reduction time that ran during backward. No target:
+    decides the default (``--overlap`` runs this part only).
 
 Timings are medians over repeats; variants are interleaved so machine noise hits
 them alike. The machine is shared and noisy: read ratios, not single figures.
@@ -259,18 +263,41 @@ def bench_check(batches: list[int], repeats: int, inner: int) -> None:
               f"{cheap:+.1%} ({verdict(cheap < 0.02)}); full {full:+.1%}")
 
 
+def bench_overlap(batches: list[int], repeats: int, inner: int) -> None:
+    print("(e) overlap of the gradient all-reduce with backward, 2 replicas: overlap=True "
+          "against overlap=False (no target; decides the default)")
+    for batch in batches:
+        runs = {f"{on}": Mirrored(2, batch, overlap=on) for on in (False, True)}
+        t = interleaved(dict(runs), repeats, inner)
+        buckets = runs["True"].opt._reducer.buckets  # noqa: SLF001
+        assert buckets is not None
+        stats = buckets.stats
+        for run in runs.values():
+            run.strategy.close()
+        hidden = stats["hidden_s"] / stats["comm_s"] if stats["comm_s"] else 0.0
+        print(f"  batch {batch:>3}: off {t['False'] * 1e6:.0f} us/step, on "
+              f"{t['True'] * 1e6:.0f} us/step: {t['False'] / t['True']:.2f}x; "
+              f"{len(buckets.plan)} buckets, {hidden:.0%} of their reduction during backward")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few steps, for a smoke run")
-    quick = parser.parse_args().quick
+    parser.add_argument("--overlap", action="store_true", help="part (e) only")
+    args = parser.parse_args()
+    quick = args.quick
     repeats, inner = (3, 10) if quick else (9, 60)
     batches = [64, 256]
+    if args.overlap:
+        bench_overlap(batches, repeats, inner)
+        return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
           f"{os.cpu_count()} CPUs")
     bench_one_replica(batches, repeats, inner)
     bench_two_replicas(batches, repeats, inner)
     bench_four_replicas(batches, repeats, inner)
     bench_check(batches, repeats, inner)
+    bench_overlap(batches, repeats, inner)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from torch import nn
 
 import mirrored
 from mirrored import ReplicaDivergenceError
-from mirrored._src.cluster import process_group
 from mirrored._src.training import overlap as overlap_module
 from mirrored._src.training.overlap import bucket_plan, hidden_time
 from mirrored.experimental import CommunicationOptions
@@ -194,7 +193,6 @@ def _worker_train(local: int) -> list[list[torch.Tensor]]:
         return out
     finally:
         strategy.close()
-        process_group.destroy_process_group()
 
 
 @pytest.mark.timeout(240)
@@ -205,3 +203,4 @@ def test_overlap_is_bitwise_the_same_across_workers(local: int) -> None:
         for k in (0, 2, 4):
             assert_bitwise(worker[k], worker[k + 1])
     assert_bitwise(results[0][1], results[1][1])
+

@@ -10,8 +10,10 @@ asynchronous ``torch.distributed`` call that runs while backward goes on. Bucket
 are launched strictly in order, and every bucket still missing a gradient when a
 replica's backward pass ends (an unused parameter) is completed then with zeros,
 so every worker makes the same calls in the same order before ``backward()``
-returns. ``step()`` waits for them (`GradientReducer`), and the step's small
-all-reduce (presence flags, fingerprints, BatchNorm statistics, buffers) follows.
+returns. The last bucket is not launched ahead: it rides in the step's all-reduce
+with the presence flags, fingerprints, BatchNorm statistics and buffers, so a
+model of one bucket makes exactly the calls it makes without overlap.
+``step()`` waits for the others (`GradientReducer`).
 
 Exactness: each element is the same sum of the same values as without buckets
 (the local sum in replica order, then one cross-worker SUM). A second backward
@@ -38,9 +40,10 @@ from ..runtime.random import library_call
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "GradientBuckets", "Pending", "bucket_plan", "hidden_time"]
 
-# Small enough that the digits models of the benchmarks get a few buckets (a bucket
-# is a round trip, so fewer and larger is cheaper when nothing is left to hide).
-DEFAULT_BUCKET_BYTES = 128 * 1024
+# Each bucket is one more round trip, paid in CPU even when hidden: a model with fewer
+# gradient bytes than this is one bucket, which the reducer sends as without overlap
+# (the last bucket always rides in the step's all-reduce). See docs/design.md.
+DEFAULT_BUCKET_BYTES = 4 << 20
 
 
 class Pending(Protocol):
@@ -152,6 +155,7 @@ class GradientBuckets:
         self._sum: AsyncSum = comm if hasattr(comm, "launch_sum") else _LocalSum(comm, devices)
         self._local = len(params)
         self.plan = bucket_plan(params[0], bucket_bytes)
+        self.early = len(self.plan) - 1  # the last bucket rides in the step's all-reduce
         # A bucket whose dtype cannot carry its call check in the data waits for the step.
         self._early = [self._sum.overlaps(params[0][m[0]].dtype) for m in self.plan]
         self._bucket_of = [0] * len(params[0])
@@ -218,7 +222,7 @@ class GradientBuckets:
 
     def _launch_ready(self) -> None:
         """Launches every complete bucket in order (lock held)."""
-        while (self._next < len(self.plan) and self._left[self._next] == 0
+        while (self._next < self.early and self._left[self._next] == 0
                and self._early[self._next]):
             self._launch(self._next, sync=False)
             self._next += 1
@@ -249,9 +253,9 @@ class GradientBuckets:
         accumulated flags, and starts the next step's count."""
         with self._lock:
             backward_end = time.perf_counter()
-            for b in range(self._next, len(self.plan)):
+            for b in range(self._next, self.early):
                 self._launch(b, sync=not self.verified)
-            self._next = len(self.plan)
+            self._next = self.early
             out = []
             for pending, span in zip(self._pending, self._spans, strict=True):
                 out.append(self._sum.finish_sum(pending))
@@ -268,9 +272,10 @@ class GradientBuckets:
             return out, *flags
 
     def assign(self, r: int, sums: list[list[torch.Tensor]]) -> None:
-        """Sets replica ``r``'s ``.grad`` to views of the bucket sums."""
+        """Sets replica ``r``'s ``.grad`` to views of the bucket sums (all buckets but
+        the last)."""
         params = self._params[r]
-        for members, per_replica in zip(self.plan, sums, strict=True):
+        for members, per_replica in zip(self.plan[:self.early], sums, strict=True):
             like = [params[k] for k in members]
             for k, part in zip(members, packing.unpack(per_replica[r], like), strict=True):
                 params[k].grad = part

@@ -10,17 +10,19 @@ average and the other buffers (`buffers`). The reduced gradients replace
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ..errors import ReplicaDivergenceError
+from ..runtime.contract import Arrival, CallSpec
+from ..runtime.random import library_call
 from .buffers import BufferRule, BufferSync, other_buffers
 from .check import Check, GradientWatch, compare, fingerprint, modified_message, slots_per_tensor
 from .module import MirroredModule
-from .overlap import GradientBuckets
+from .overlap import GradientBuckets, bucket_plan
 
 if TYPE_CHECKING:
     from mirrored import ReplicaContext
@@ -51,6 +53,7 @@ class GradientReducer:
         strategy = module.strategy
         local, n = len(params), strategy.num_replicas_in_sync
         self._num_replicas = n
+        self._parts = strategy._parts
         self._params = params
         self._check: Check = check
         self._stats = tuple(module.averaged_buffers(r) for r in range(local))
@@ -70,12 +73,26 @@ class GradientReducer:
                                                   device=p[0].device)])
                            for p in params)
         self.buckets: GradientBuckets | None = None
-        if overlap and n > 1:
-            parts = strategy._parts
-            self.buckets = GradientBuckets(params, parts.communicators.default,
-                                           parts.topology.devices, bucket_bytes)
+        if overlap and n > 1 and len(bucket_plan(params[0], bucket_bytes)) > 1:
+            self.buckets = GradientBuckets(params, self._parts.communicators.default,
+                                           self._parts.topology.devices, bucket_bytes)
             # + this replica's stale and accumulated flags (see GradientBuckets)
             self._meta = tuple(torch.cat([m, m.new_zeros(2)]) for m in self._meta)
+
+    def _finish_buckets(self, r: int) -> _Finished:
+        """Every local replica meets; the last to arrive finishes the buckets (the
+        runtime's rendezvous: bounded, and aborted with the run; no merge_call, whose
+        helper thread costs more than a small model's step)."""
+        buckets = self.buckets
+        assert buckets is not None  # callers check
+
+        def combine(payloads: Sequence[None]) -> list[_Finished]:
+            return [_Finished(*library_call(buckets.finish))] * len(payloads)
+
+        parts = self._parts
+        call = CallSpec("MirroredOptimizer.step", "the gradient buckets", ("buckets",))
+        return parts.runtime.exchange(r, Arrival(call, None, combine),
+                                      parts.options.timeout_seconds)
 
     def discards(self, r: int) -> bool:
         """Whether replica ``r`` holds gradients of a ``backward()`` not yet all-reduced."""
@@ -111,7 +128,7 @@ class GradientReducer:
             for k in missing:
                 grads[k] = torch.zeros_like(params[k])
         if buckets is not None:
-            sums, stale, accumulated = ctx.merge_call(lambda _: _Finished(*buckets.finish()))
+            sums, stale, accumulated = self._finish_buckets(r)
             meta[-2:] = torch.tensor([float(stale), float(accumulated)])
         sync = self._sync[r]
         width = self._width if self.seq[r] % self._every == 0 else 0
@@ -125,9 +142,13 @@ class GradientReducer:
             self.seq[r] += 1
             for p, t in zip(params, reduced[:n], strict=True):
                 p.grad = t
-        else:  # the gradients went in the buckets; the rest follows in one all-reduce
-            reduced = [*params, *ctx.all_reduce("SUM", [meta, *stats, *sends])]
+        else:  # the last bucket's gradients and the rest follow in one all-reduce
+            last = buckets.plan[-1]
+            reduced = ctx.all_reduce("SUM", [*(grads[k] for k in last), meta, *stats, *sends])
             self.seq[r] += 1
+            for k, t in zip(last, reduced, strict=False):
+                params[k].grad = t
+            reduced = [*params, *reduced[len(last):]]
             stale, accumulated = (bool(v > 0) for v in reduced[n][-2:].tolist())
             buckets.decide(stale, accumulated)
             if stale:  # a second backward changed launched buckets: as without overlap

@@ -81,7 +81,7 @@ def train(strategy: mirrored.Strategy, overlap: bool, *, dtype: torch.dtype = to
         opt.zero_grad()
 
     data = batches(steps, n * 2, dtype)
-    local = strategy.extended._parts.topology  # noqa: SLF001 (which rows are ours)
+    local = strategy.extended._parts.topology
     first = local.worker_index * local.num_local_replicas
     for index, rows in enumerate(data):
         args = [mirrored.PerReplica([rows[(first + r) * 2 + a]
@@ -121,7 +121,7 @@ def test_overlap_is_bitwise_the_same_in_process(two: mirrored.MirroredStrategy,
     off, _ = train(two, False, **case)
     on, opt = train(two, True, **case)
     assert_bitwise(off, on)
-    buckets = opt._reducer.buckets  # noqa: SLF001
+    buckets = opt._reducer.buckets
     assert buckets is not None and len(buckets.plan) > 2
     assert buckets.stats["steps"] == 5
     # Accumulation at the last step: the next launches at step() (decided alike).
@@ -162,7 +162,7 @@ def test_overlap_is_checked() -> None:
         strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1),
                                   overlap="yes")  # type: ignore[arg-type]
     auto = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
-    assert auto._reducer.buckets is None  # noqa: SLF001 (in-process: off by default)
+    assert auto._reducer.buckets is None
     strategy.close()
 
 
@@ -185,7 +185,7 @@ def _worker_train(local: int) -> list[list[torch.Tensor]]:
         for case in ({}, ACCUMULATE, {"unused_at": 2}):
             for overlap in (False, True):
                 params, opt = train(strategy, overlap, **case)  # type: ignore[arg-type]
-                buckets = opt._reducer.buckets  # noqa: SLF001
+                buckets = opt._reducer.buckets
                 assert (buckets is not None) is overlap
                 if buckets is not None:
                     assert buckets.armed and len(buckets.plan) > 2

@@ -27,9 +27,9 @@ from torch import nn
 from ..errors import ReplicaDivergenceError
 from ..runtime.random import library_call
 from . import amp
+from . import overlap as _overlap
 from .buffers import BUFFER_RULES, BufferRule
 from .check import CHECKS, Check
-from . import overlap as _overlap
 from .module import MirroredModule, as_mirrored_module, replica_index, replica_of
 from .reducer import GradientReducer
 

@@ -208,3 +208,26 @@ def test_compiled_dropout_is_reproducible_without_graph_breaks_and_equals_eager(
     assert sum(counters["graph_break"].values()) == 0
     torch._dynamo.reset()
     strategy.close()
+
+
+def test_a_checkpointed_segment_with_dropout_raises_instead_of_recomputing_another_mask():
+    from torch.utils.checkpoint import checkpoint
+
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+
+    def step(forward):
+        w = torch.ones(64, requires_grad=True)
+        y = forward(w)
+        y.sum().backward()
+        return y.detach(), w.grad
+
+    with pytest.raises(RuntimeError, match=r"aten.bernoulli_.float drew random numbers during "
+                                           r"backward on a logical CPU replica.*checkpoint"):
+        strategy.run(step, args=(
+            lambda w: checkpoint(lambda v: F.dropout(v * 2, 0.5), w, use_reentrant=False),))
+    # Dropout outside the checkpointed segment: the gradients use the forward's mask.
+    out = strategy.experimental_local_results(strategy.run(step, args=(
+        lambda w: F.dropout(checkpoint(torch.sin, w, use_reentrant=False), 0.5),)))
+    for y, grad in out:
+        torch.testing.assert_close(grad, (y != 0) * 2 * torch.cos(torch.ones(64)))
+    strategy.close()

@@ -29,7 +29,10 @@ intercepted there. So:
   from ``torch.manual_seed`` too.
 
 A call with an explicit ``generator=`` is left alone. CUDA replicas have a
-generator per device and need none of this.
+generator per device and need none of this. A draw during backward (what
+``torch.utils.checkpoint`` does when it recomputes a segment with dropout) raises:
+checkpoint restores the CPU generator, not the replica's stream, so the
+recomputed mask would silently differ from the forward's.
 """
 
 from __future__ import annotations
@@ -79,12 +82,29 @@ def _kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
         if stream is not None and keyset.has(_CPU):
             if keyword or len(args) <= index:
                 if kwargs.get("generator") is None:
-                    kwargs["generator"] = stream[0].generator(stream[1])
+                    kwargs["generator"] = _replica_generator(stream, op)
             elif args[index] is None:
-                args = (*args[:index], stream[0].generator(stream[1]), *args[index + 1:])
+                args = (*args[:index], _replica_generator(stream, op), *args[index + 1:])
         return redispatch(keyset, *args, **kwargs)
 
     return kernel
+
+
+def _replica_generator(stream: tuple[RandomStreams, int], op: torch._ops.OpOverload
+                       ) -> torch.Generator:
+    if torch._C._current_graph_task_id() != -1:
+        # A draw while autograd runs backward: torch.utils.checkpoint recomputing its
+        # segment. It restores the CPU generator's state, not the replica's, so the
+        # recomputed dropout mask would silently differ from the forward's.
+        raise RuntimeError(
+            f"{op} drew random numbers during backward on a logical CPU replica (inside "
+            "strategy.run). This is what torch.utils.checkpoint does when it recomputes a "
+            "segment with dropout: it restores torch's CPU generator, not the replica's "
+            "random stream, so the recomputed mask would differ from the forward's and "
+            "the gradients would be wrong. Keep random ops out of checkpointed segments "
+            "(e.g. dropout outside the checkpoint, or p=0 there), or pass an explicit "
+            "generator= to the random call")
+    return stream[0].generator(stream[1])
 
 
 def install() -> None:

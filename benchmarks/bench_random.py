@@ -78,6 +78,33 @@ def per_call() -> None:
     print("(a) per call, µs            t + t   F.dropout(64 floats)")
     for name, a, d in rows:
         print(f"    {name:<30} {a:6.2f}   {d:6.2f}")
+    # One replica's share of a dropout-heavy training step (batch 64), on this thread,
+    # inside a replica's stream or not: the streams' cost without thread noise.
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 64, generator=g), torch.randint(0, 10, (64,), generator=g)
+    model = dropout_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step() -> object:
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+
+    def in_stream() -> object:
+        streams.start_run()
+        with streams.mode(0):
+            return step()
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each of 2 replicas on a 2-core machine
+    times = interleaved({"off": step, "stream": in_stream}, repeats=41, inner=20,
+                        clock=time.thread_time)
+    torch.set_num_threads(threads)
+    print(f"    dropout-MLP step on one thread: {times['off'] * 1e3:.3f} ms CPU, in a "
+          f"fresh stream each step {times['stream'] * 1e3:.3f} ms "
+          f"({times['stream'] / times['off']:.3f})")
 
 
 def dropout_mlp() -> nn.Module:

@@ -187,6 +187,7 @@ def test_compiled_dropout_is_reproducible_without_graph_breaks_and_equals_eager(
     assert counters["stats"]["unique_graphs"] == graphs
     (c0, e0), (c1, e1) = runs[0]
     assert torch.equal(c0, runs[1][0][0]) and torch.equal(c1, runs[1][1][0])
+    assert torch.equal(e0, runs[1][0][1]) and torch.equal(e1, runs[1][1][1])
     assert not torch.equal(c0, c1)  # the replicas' compiled masks differ
     # With Inductor's fallback_random, compiled random ops are torch's own: the
     # compiled step draws exactly what eager draws, replica by replica. (Torch's

@@ -112,7 +112,7 @@ def install() -> None:
     with _lock:
         if _installed:
             return
-        library = torch.library.Library("aten", "IMPL")
+        library = torch.library.Library("aten", "IMPL")  # type: ignore[no-untyped-call]
         for op in seeded_operators():
             name = op._schema.name
             qualified = f"{name}.{op._overloadname}" if op._overloadname != "default" else name
@@ -121,7 +121,7 @@ def install() -> None:
             if torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "BackendSelect"):
                 continue
             library.impl(qualified.removeprefix("aten::"), _kernel(op), "BackendSelect",
-                         with_keyset=True)
+                         with_keyset=True)  # type: ignore[no-untyped-call]
         _installed.append(library)
 
 

@@ -232,3 +232,32 @@ def test_a_checkpointed_segment_with_dropout_raises_instead_of_recomputing_anoth
     for y, grad in out:
         torch.testing.assert_close(grad, (y != 0) * 2 * torch.cos(torch.ones(64)))
     strategy.close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_the_callers_compile_config_applies_on_every_replica():
+    import torch._dynamo
+    import torch._inductor.config
+
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2"])
+    x = torch.linspace(-1, 1, 64).reshape(4, 16)
+
+    def block(x):
+        return F.dropout(torch.relu(x * 2 + 1), 0.5).sum(1)
+
+    torch._dynamo.reset()
+    saved = torch._inductor.config.fallback_random
+    torch._inductor.config.fallback_random = True  # set once by the caller, as users do
+    try:
+        exact = torch.compile(block)
+        torch.manual_seed(0)
+        compiled_out = strategy.experimental_local_results(strategy.run(lambda: exact(x)))
+    finally:
+        torch._inductor.config.fallback_random = saved
+        torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager_out = strategy.experimental_local_results(strategy.run(lambda: block(x)))
+    for got, want in zip(compiled_out, eager_out, strict=True):
+        torch.testing.assert_close(got, want)
+    strategy.close()

@@ -30,7 +30,7 @@ from .contract import Arrival, CollectiveFailure
 from .executor import Executor, ReplicaAbandoned, ReplicaFailure
 from .random import RandomStreams, drop_stale_modes
 from .rendezvous import Rendezvous
-from .thread_state import capture, refused_modes
+from .thread_state import capture, in_caller_context, refused_modes
 
 __all__ = ["InlineRuntime", "Runtime", "ThreadRuntime"]
 
@@ -184,6 +184,7 @@ class ThreadRuntime:
             finally:
                 local.generation = 0
 
+        replicas = in_caller_context(on_replica, self._n)  # torch's compile config
         self._acquire_run_lock()
         try:
             self._running = True
@@ -197,7 +198,7 @@ class ThreadRuntime:
                 streams.start_run()
             try:
                 results, failures = self._executor.run(
-                    on_replica, lambda i, error: rendezvous.replica_exited(generation, i, error),
+                    replicas, lambda i, error: rendezvous.replica_exited(generation, i, error),
                     rendezvous.abort, grace=GRACE_SECONDS,
                     straggler_wait=self._timeout or GRACE_SECONDS)
             finally:

@@ -20,7 +20,7 @@ from .. import pytree
 from ..topology import Topology
 from ..values import PerReplica
 from .input import InputContext, InputOptions
-from .prefetch import InlineSteps, Prefetcher
+from .prefetch import InlineSteps, Prefetcher, default_depth
 from .split import empty_like, flatten_batch, split_leaves
 
 __all__ = ["DistributedDataset", "DistributedDatasetsFromFunction", "DistributedIterator"]
@@ -129,8 +129,10 @@ class DistributedIterator:
     """
 
     def __init__(self, steps: Generator[Any, None, None], options: InputOptions,
-                 any_worker: AnyWorker | None) -> None:
+                 any_worker: AnyWorker | None, devices: Sequence[torch.device] = ()) -> None:
         depth = options.experimental_prefetch_depth
+        if depth is None:
+            depth = default_depth(devices, options.experimental_fetch_to_device)
         self._steps = Prefetcher(steps, depth) if depth else InlineSteps(steps)
         self._any_worker = any_worker
         self._last: Any = None
@@ -231,7 +233,8 @@ class DistributedDataset:
     def __iter__(self) -> DistributedIterator:
         steps = _global_batch_steps(self._source, self._topology,
                                     self._options.experimental_fetch_to_device)
-        return DistributedIterator(steps, self._options, self._any_worker)
+        return DistributedIterator(steps, self._options, self._any_worker,
+                                   self._topology.torch_devices)
 
     def __len__(self) -> int:
         """The number of batches of the source; `TypeError` when it has no ``len()``."""
@@ -290,7 +293,8 @@ class DistributedDatasetsFromFunction:
     def __iter__(self) -> DistributedIterator:
         steps = _whole_element_steps(self._elements, self._topology,
                                      self._options.experimental_fetch_to_device)
-        return DistributedIterator(steps, self._options, self._any_worker)
+        return DistributedIterator(steps, self._options, self._any_worker,
+                                   self._topology.torch_devices)
 
     def __len__(self) -> int:
         """Steps on this worker: ``ceil(len(elements) / local replicas)``; else `TypeError`."""

@@ -95,8 +95,10 @@ class InputOptions:
         experimental_fetch_to_device: move each replica's chunk to the replica's device
             (default). When false, chunks stay where the source put them.
         experimental_prefetch_depth: how many steps a background thread prepares (reads,
-            splits and moves) ahead of the training loop (default 2); 0 prepares each step
-            on the caller's thread when it is asked for, with no background thread.
+            splits and moves) ahead of the training loop; 0 prepares each step on the
+            caller's thread when it is asked for, with no background thread. Default
+            (``None``): 2 when steps are copied to CUDA devices (the copy overlaps the
+            step), else 0 (on CPU a prefetch thread only competes for the GIL).
 
     Raises:
         TypeError: a flag that is not a bool or a depth that is not an int.
@@ -109,7 +111,7 @@ class InputOptions:
     """
 
     experimental_fetch_to_device: bool = True
-    experimental_prefetch_depth: int = 2
+    experimental_prefetch_depth: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.experimental_fetch_to_device, bool):
@@ -119,6 +121,8 @@ class InputOptions:
                 f"{self.experimental_fetch_to_device!r}"
             )
         depth = self.experimental_prefetch_depth
+        if depth is None:
+            return
         if not _is_int(depth):
             raise TypeError(f"InputOptions.experimental_prefetch_depth must be an int; got "
                             f"{type(depth).__name__} {depth!r}")

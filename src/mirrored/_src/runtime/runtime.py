@@ -47,10 +47,16 @@ R = TypeVar("R")
 GRACE_SECONDS = 0.5  # how long run waits for the others once a run is given up
 MISUSE_SECONDS = 2.0  # how long run waits for another run of the same strategy
 
-_profiling = torch.autograd._profiler_enabled
+_thread_profiled = torch.autograd._profiler_enabled
 _record = torch.autograd.profiler.record_function
 _function_modes = torch._C._len_torch_function_stack
 _dispatch_modes = torch._C._len_torch_dispatch_stack
+
+
+def _profiling() -> bool:
+    """Whether a profiler records this run: one started on this thread, or one started
+    with ``profile_all_threads=True`` (which only the profiler module's flag shows)."""
+    return _thread_profiled() or getattr(torch.autograd.profiler, "_is_profiler_enabled", False)
 
 
 class Runtime(Protocol):

@@ -42,9 +42,10 @@ def test_a_trace_shows_run_replicas_and_collective_waits(tmp_path: Path) -> None
     collective = [n for n in names if n.startswith("mirrored.all_reduce(SUM)")]
     site = "test_profiling.py:22"
     # One replica waited for the other, which arrived last and combined.
+    prefix = "mirrored.all_reduce(SUM)"
     assert sorted(n.split(" at ")[0] for n in collective) in (
-        ["mirrored.all_reduce(SUM) combine [replica 0]", "mirrored.all_reduce(SUM) wait [replica 1]"],
-        ["mirrored.all_reduce(SUM) combine [replica 1]", "mirrored.all_reduce(SUM) wait [replica 0]"])
+        [f"{prefix} combine [replica 0]", f"{prefix} wait [replica 1]"],
+        [f"{prefix} combine [replica 1]", f"{prefix} wait [replica 0]"])
     assert all(n.endswith(site) for n in collective), collective
     strategy.close()
 

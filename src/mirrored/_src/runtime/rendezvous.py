@@ -147,8 +147,8 @@ class Rendezvous:
             else:
                 self._wait(slot, timeout)
         else:
-            name = f"{arrival.title} {'combine' if last else 'wait'} [replica {index}] at {arrival.site}"
-            with _record(f"mirrored.{name}"):
+            phase = "combine" if last else "wait"
+            with _record(f"mirrored.{arrival.title} {phase} [replica {index}] at {arrival.site}"):
                 if last:
                     self._complete(index, slots)
                 else:

@@ -47,7 +47,7 @@ R = TypeVar("R")
 GRACE_SECONDS = 0.5  # how long run waits for the others once a run is given up
 MISUSE_SECONDS = 2.0  # how long run waits for another run of the same strategy
 
-_thread_profiled = torch.autograd._profiler_enabled
+_thread_profiled = torch._C._autograd._profiler_enabled
 _record = torch.autograd.profiler.record_function
 _function_modes = torch._C._len_torch_function_stack
 _dispatch_modes = torch._C._len_torch_dispatch_stack

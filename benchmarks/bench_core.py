@@ -6,7 +6,11 @@ baselines measured in the same run.
 
 (a) ``strategy.run`` of a trivial fn on 2, 4 and 8 logical CPU replicas, per call,
     against a direct call of the fn and a naive pool (``ThreadPoolExecutor``, one
-    task per replica, wait for all). Target: <= 50 us per ``run`` on 2 replicas.
+    task per replica, wait for all). Target: <= 20 us per ``run`` on 2 replicas.
+(a2) 2 replicas, interleaved: ``run`` of a no-op, of ``t + 0`` (target <= 35 us) and
+    of a scalar ``all_reduce`` (target <= 0.5x JAX ``pmap`` + ``psum`` on 2 CPU
+    devices, measured in a subprocess in the same run when jax is installed:
+    ``pip install -e .[bench]``).
 (b) ``strategy.reduce(SUM, axis=None)`` of N components of 64 MiB against the
     memory-traffic floor: one ``torch.add`` of two such tensors into a
     preallocated output. Targets: <= 1.3x the floor for N = 2, and
@@ -20,7 +24,10 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import importlib.util
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -66,8 +73,73 @@ def bench_run(replicas: list[int], inner: int) -> None:
         line = (f"{n:>8} {run_s * 1e6:>9.1f} {direct_s * 1e6:>10.2f} {pool_s * 1e6:>14.1f} "
                 f"{run_s / pool_s:>9.2f}")
         if n == 2:
-            line += f"   target <= 50 us: {verdict(run_s <= 50e-6)}"
+            line += f"   target <= 20 us: {verdict(run_s <= 20e-6)}"
         print(line)
+
+
+def bench_small_steps(rounds: int) -> None:
+    print("\n(a2) 2 replicas: run of small steps, interleaved (p50 of short samples)")
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    t = torch.ones(())
+
+    def scalar_all_reduce() -> torch.Tensor:
+        ctx = mirrored.get_replica_context()
+        assert ctx is not None
+        return ctx.all_reduce("SUM", t)
+
+    fns: dict[str, Callable[[], object]] = {
+        "t + 0 direct": lambda: t + 0,
+        "run no-op": lambda: strategy.run(lambda: None),
+        "run t + 0": lambda: strategy.run(lambda: t + 0),
+        "run + all_reduce": lambda: strategy.run(scalar_all_reduce),
+    }
+    seconds = dict(zip(fns, interleaved_medians(
+        [lambda f=f: [f() for _ in range(20)] for f in fns.values()], rounds), strict=True))
+    jax_s = jax_pmap_psum_seconds()
+    targets = {"run no-op": 20e-6, "run t + 0": 35e-6}
+    for name, s in seconds.items():
+        line = f"    {name:<18} {s / 20 * 1e6:8.1f} us"
+        if name in targets:
+            line += f"   target <= {targets[name] * 1e6:.0f} us: {verdict(s / 20 <= targets[name])}"
+        if name == "run + all_reduce" and jax_s is not None:
+            ratio = s / 20 / jax_s
+            line += (f"   JAX pmap+psum {jax_s * 1e6:.1f} us: {ratio:.2f}x, target <= 0.5x: "
+                     f"{verdict(ratio <= 0.5)}")
+        print(line)
+    if jax_s is None:
+        print("    (jax is not installed: pip install -e .[bench] to measure pmap+psum)")
+    strategy.close()
+
+
+JAX_SCRIPT = """
+import os, statistics, time
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, jax.numpy as jnp
+f = jax.pmap(lambda x: jax.lax.psum(x, "i"), axis_name="i")
+x = jnp.ones((2,))
+for _ in range(100):
+    f(x).block_until_ready()
+samples = []
+for _ in range(200):
+    start = time.perf_counter()
+    for _ in range(20):
+        f(x).block_until_ready()
+    samples.append((time.perf_counter() - start) / 20)
+print(statistics.median(samples))
+"""
+
+
+def jax_pmap_psum_seconds() -> float | None:
+    """JAX's pmap + psum of a scalar on 2 host CPU devices, per call (None without jax)."""
+    if importlib.util.find_spec("jax") is None:
+        return None
+    done = subprocess.run([sys.executable, "-c", JAX_SCRIPT], capture_output=True, text=True,
+                          timeout=600)
+    if done.returncode != 0:
+        print(f"    (jax failed: {done.stderr.strip().splitlines()[-1:]})")
+        return None
+    return float(done.stdout.strip().splitlines()[-1])
 
 
 def interleaved_medians(fns: list[Callable[[], object]], rounds: int) -> list[float]:
@@ -125,6 +197,7 @@ def main() -> None:
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads\n")
     bench_run([2, 4, 8], inner=200 if args.quick else 2000)
+    bench_small_steps(rounds=50 if args.quick else 300)
     bench_reduce([2, 4, 8], mib=8 if args.quick else 64, rounds=5 if args.quick else 15)
 
 

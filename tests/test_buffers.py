@@ -79,3 +79,28 @@ def test_reduce_results_are_not_overwritten_while_held():
     assert bool((first == 3.0).all())
     assert keep_view.tolist() == [3.0] * 5
     assert bool((keep_array == 3.0).all())
+
+
+def test_closing_one_strategy_keeps_the_pool_of_another():
+    from mirrored._src.comm.buffers import default_pool
+
+    pool = default_pool()
+    users = pool.users
+    a = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    b = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    assert pool.users == users + 2
+    parts = mirrored.PerReplica([torch.full(SHAPE, 1.0), torch.full(SHAPE, 2.0)])
+    ptr = a.reduce("SUM", parts).data_ptr()  # the result is dropped: back in the pool
+    held = pool.nbytes
+    assert held >= 2 << 20
+    b.close()
+    b.close()  # closing twice releases once
+    assert pool.users == users + 1
+    assert pool.nbytes == held  # b's close left a's buffers alone
+    again = a.reduce("SUM", parts)
+    assert again.data_ptr() == ptr and bool((again == 3.0).all())
+    del again
+    a.close()
+    assert pool.users == users
+    if users == 0:
+        assert pool.nbytes == 0  # the last strategy out empties it

@@ -200,7 +200,11 @@ def test_bad_batch_raises_in_consumer(depth: int) -> None:
 def test_thread_ends_when_exhausted_closed_or_dropped() -> None:
     gc.collect()  # threads of strategies dropped by earlier tests end here, not below
     baseline = threading.active_count()
-    ds = DistributedDataset(torch.arange(100).reshape(50, 2), topology(2))  # 50 batches of 2
+    # CPU replicas: no prefetch thread by default.
+    assert next(iter(DistributedDataset(torch.arange(4).reshape(2, 2), topology(2)))) is not None
+    assert prefetch_threads() == []
+    ds = DistributedDataset(torch.arange(100).reshape(50, 2), topology(2),  # 50 batches of 2
+                            InputOptions(experimental_prefetch_depth=2))
     # Exhausted.
     assert len(list(ds)) == 50
     assert prefetch_threads() == [] and threading.active_count() == baseline
@@ -261,7 +265,7 @@ def test_close_while_source_blocks_does_not_hang() -> None:
         finally:
             closed.append(True)
 
-    it = iter(DistributedDataset(slow(), topology(2)))
+    it = iter(DistributedDataset(slow(), topology(2), options(2)))
     assert as_lists(next(it)) == [[0.0], [0.0]]
     it.close()  # the producer is inside the source: close must not wait for it
     assert len(prefetch_threads()) == 1
@@ -464,7 +468,7 @@ def test_input_context() -> None:
 def test_input_options() -> None:
     default = InputOptions()
     assert default.experimental_fetch_to_device is True
-    assert default.experimental_prefetch_depth == 2
+    assert default.experimental_prefetch_depth is None  # 2 for CUDA replicas, else 0
     with pytest.raises(ValueError, match=r"experimental_prefetch_depth must be >= 0 .*got -1"):
         InputOptions(experimental_prefetch_depth=-1)
     with pytest.raises(TypeError, match="experimental_prefetch_depth must be an int; got str"):

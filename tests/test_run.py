@@ -154,3 +154,47 @@ def test_concurrent_runs_from_two_threads_are_serialized(two):
     for t in threads:
         t.join(20)
     assert errors == []
+
+
+def test_a_run_lock_held_by_another_thread_is_never_taken(monkeypatch):
+    # Another thread holds the run lock at a moment where no run is marked in progress
+    # (just after acquiring it, or just before releasing it): a waiter that times out
+    # must raise, not release that thread's lock and run alongside it.
+    from mirrored._src.runtime import runtime as runtime_module
+
+    monkeypatch.setattr(runtime_module, "MISUSE_SECONDS", 0.2)
+    strategy = cpu_strategy(2)
+    lock = strategy._parts.runtime._run_lock
+    held, done = threading.Event(), threading.Event()
+
+    def holder():
+        with lock:
+            held.set()
+            done.wait(10)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert held.wait(10)
+        with pytest.raises(RuntimeError, match=r"waited 0.2 s for another run"):
+            strategy.run(lambda: 1)
+        assert not lock.acquire(blocking=False)  # still the holder's
+    finally:
+        done.set()
+        thread.join(10)
+    assert strategy.run(lambda: 2) == 2
+
+
+def test_a_run_lock_leaked_by_an_interrupt_is_taken_back_by_its_thread():
+    # An interrupt right after run acquired its lock leaves it held by this thread with
+    # no run in progress: the thread's next run goes ahead at once.
+    strategy = cpu_strategy(2)
+    lock = strategy._parts.runtime._run_lock
+    assert lock.acquire(blocking=False)  # what the interrupt left behind
+    start = time.monotonic()
+    out = strategy.run(lambda: mirrored.get_replica_context().replica_id_in_sync_group)
+    assert out.values == (0, 1) and time.monotonic() - start < 1.0
+    released = threading.Thread(target=lambda: strategy.run(lambda: 3))
+    released.start()
+    released.join(10)
+    assert not released.is_alive()  # another thread can take it: it was released

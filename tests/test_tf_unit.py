@@ -326,7 +326,8 @@ def test_input_options_validation():
     with pytest.raises(TypeError, match="experimental_per_replica_buffer_size must be an int"):
         mirrored.InputOptions(experimental_per_replica_buffer_size=1.5)
     assert mirrored.InputOptions(experimental_per_replica_buffer_size=0).prefetch_depth == 0
-    assert mirrored.InputOptions().prefetch_depth == 2
+    assert mirrored.InputOptions().prefetch_depth is None  # chosen by the devices
+    assert mirrored.InputOptions(experimental_prefetch_depth=3).prefetch_depth == 3
 
 
 def test_place_dataset_on_device_builds_each_pipeline_under_its_device():

@@ -190,6 +190,13 @@ def regroup(results: Sequence[Any], devices: Sequence[str], *,
     """
     if len(results) == 1 and not always_per_replica:
         return results[0]
+    first = results[0]
+    if first is None and collapse_identical and all(r is None for r in results):
+        return None  # the common no-result step, without flattening
+    if type(first) is torch.Tensor and all(type(r) is torch.Tensor for r in results):
+        if collapse_identical and all(r is first for r in results):
+            return first
+        return PerReplica._from_trusted(tuple(results), tuple(_canonical(d) for d in devices))
     flat = [pytree.flatten(r) for r in results]
     spec0 = flat[0][1]
     for i in range(1, len(flat)):

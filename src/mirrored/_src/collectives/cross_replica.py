@@ -64,6 +64,20 @@ def _detached(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach() if tensor.requires_grad else tensor
 
 
+def _reduce_alone(title: str, op: ReduceOp, tensor: torch.Tensor, axes: tuple[int, ...],
+                  parts: Parts, device: torch.device) -> torch.Tensor:
+    """One replica in all, a tensor, an axis (the README loop's per-step reduce): the
+    replica's own reduction is the result, with no communicator round trip."""
+    where = pytree.format_path(())
+    plan = plan_components(title, op, [tensor], axes, parts.topology.labels, where)
+    partial, count = prepare(plan, tensor)
+    if plan.dims is not None and plan.op in (ReduceOp.MIN, ReduceOp.MAX) and not count:
+        raise ValueError(no_elements_message(title, where))
+    if partial is tensor:  # never hand back (or divide) the caller's own tensor
+        partial = partial.clone()
+    return _to(finish(plan, partial, count if plan.counts else 1, in_place=True), device)
+
+
 def reduce(parts: Parts, reduce_op: ReduceOp | str, value: Any, axis: Any) -> Any:
     """`Strategy.reduce`; see its docstring."""
     op = ReduceOp.from_value(reduce_op)
@@ -72,6 +86,9 @@ def reduce(parts: Parts, reduce_op: ReduceOp | str, value: Any, axis: Any) -> An
     topology = parts.topology
     n_local = topology.num_local_replicas
     title = op_title("reduce", op, axes, show_none=True)
+    if (type(value) is torch.Tensor and axes is not None and n_local == 1
+            and topology.num_replicas_in_sync == 1 and parts.cluster is None):
+        return _reduce_alone(title, op, _detached(value), axes, parts, device)
     paths, leaves, spec = pytree.flatten_with_path(value)
     out: list[Any] = [None] * len(leaves)
     jobs: list[tuple[int, LeafPlan, list[torch.Tensor], list[int]]] = []

@@ -12,7 +12,9 @@ overwritten while visible: no weak reference either (a result held only through 
 ``weakref`` stays untouched). Buffers made under ``torch.inference_mode()`` are
 inference tensors and are only ever reused under it, and the others only outside
 it. The pool holds at most `MAX_BYTES` (256 MiB) of idle buffers, least recently
-used first out, and ``strategy.close()`` (or dropping the last strategy) empties it.
+used first out. Strategies share the process-wide pool and count as its users
+(`BufferPool.retain` / `BufferPool.release`): it is emptied when the last open
+strategy closes (or is dropped), never under another strategy still using it.
 Small tensors and non-CPU devices are left to torch's allocators.
 """
 
@@ -89,11 +91,30 @@ class BufferPool:
         self._bytes = 0
         self._lock = threading.Lock()
         self._enabled = _BASELINE is not None
+        self._users = 0
 
     @property
     def nbytes(self) -> int:
         """The bytes of the buffers the pool keeps."""
         return self._bytes
+
+    @property
+    def users(self) -> int:
+        """How many open strategies use the pool."""
+        return self._users
+
+    def retain(self) -> None:
+        """A strategy starts using the pool."""
+        with self._lock:
+            self._users += 1
+
+    def release(self) -> None:
+        """A strategy stops using the pool; the last one out empties it (`clear`)."""
+        with self._lock:
+            self._users = max(0, self._users - 1)
+            last = self._users == 0
+        if last:
+            self.clear()
 
     def clear(self) -> None:
         """Forgets every buffer (those still in use stay with their users) and hands

@@ -226,7 +226,8 @@ class DistributedDataset:
     def __iter__(self) -> DistributedIterator:
         steps = _global_batch_steps(self._source, self._topology,
                                     self._options.experimental_fetch_to_device)
-        return DistributedIterator(steps, self._options, self._any_worker)
+        return DistributedIterator(steps, self._options, self._any_worker,
+                                   self._topology.torch_devices)
 
     def __len__(self) -> int:
         """The number of batches of the source; `TypeError` when it has no ``len()``."""
@@ -300,7 +301,8 @@ class DistributedDatasetsFromFunction:
                                self._options.experimental_place_dataset_on_device)
         steps = _whole_element_steps(pipelines, self._topology,
                                      self._options.experimental_fetch_to_device)
-        return DistributedIterator(steps, self._options, self._any_worker)
+        return DistributedIterator(steps, self._options, self._any_worker,
+                                   self._topology.torch_devices)
 
     def __len__(self) -> int:
         """Steps on this worker: ``ceil(len(elements) / local replicas)`` (``PER_REPLICA``:

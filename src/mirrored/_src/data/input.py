@@ -126,8 +126,10 @@ class InputOptions:
             disables prefetching (as in TF), any other value leaves it to
             ``experimental_prefetch_depth``. Default 1.
         experimental_prefetch_depth: how many steps a background thread prepares (reads,
-            splits and moves) ahead of the training loop (default 2); 0 prepares each step
-            on the caller's thread when it is asked for, with no background thread.
+            splits and moves) ahead of the training loop; 0 prepares each step on the
+            caller's thread when it is asked for, with no background thread. Default
+            (``None``): 2 when steps are copied to CUDA devices (the copy overlaps the
+            step), else 0 (on CPU a prefetch thread only competes for the GIL).
 
     Raises:
         TypeError: a flag that is not a bool, a size or depth that is not an int.
@@ -147,7 +149,7 @@ class InputOptions:
     experimental_replication_mode: InputReplicationMode = InputReplicationMode.PER_WORKER
     experimental_place_dataset_on_device: bool = False
     experimental_per_replica_buffer_size: int = 1
-    experimental_prefetch_depth: int = 2
+    experimental_prefetch_depth: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("experimental_fetch_to_device", "experimental_place_dataset_on_device"):
@@ -158,6 +160,8 @@ class InputOptions:
         for name, meaning in (("experimental_prefetch_depth", "0: no background thread"),
                               ("experimental_per_replica_buffer_size", "0: no prefetching")):
             size = getattr(self, name)
+            if size is None and name == "experimental_prefetch_depth":
+                continue
             if not _is_int(size):
                 raise TypeError(f"InputOptions.{name} must be an int; got "
                                 f"{type(size).__name__} {size!r}")
@@ -181,8 +185,8 @@ class InputOptions:
                                  "makes its tensors on the replica's device (as in TF)")
 
     @property
-    def prefetch_depth(self) -> int:
-        """The steps prepared ahead: ``experimental_prefetch_depth``, or 0 when
-        ``experimental_per_replica_buffer_size`` is 0."""
+    def prefetch_depth(self) -> int | None:
+        """The steps prepared ahead: ``experimental_prefetch_depth`` (``None``: chosen
+        by the devices), or 0 when ``experimental_per_replica_buffer_size`` is 0."""
         return self.experimental_prefetch_depth if self.experimental_per_replica_buffer_size \
             else 0

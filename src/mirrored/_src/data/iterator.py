@@ -9,13 +9,15 @@ inside a replica, as TF does.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, Generic, TypeVar
+
+import torch
 
 from .. import context, pytree
 from ..values import PerReplica
 from .input import InputOptions
-from .prefetch import InlineSteps, Prefetcher
+from .prefetch import InlineSteps, Prefetcher, default_depth
 from .split import empty_like
 
 __all__ = ["DistributedIterator", "DistributedOptional"]
@@ -106,8 +108,10 @@ class DistributedIterator:
     """
 
     def __init__(self, steps: Generator[Any, None, None], options: InputOptions,
-                 any_worker: AnyWorker | None) -> None:
+                 any_worker: AnyWorker | None, devices: Sequence[torch.device] = ()) -> None:
         depth = options.prefetch_depth
+        if depth is None:
+            depth = default_depth(devices, options.experimental_fetch_to_device)
         self._steps = Prefetcher(steps, depth) if depth else InlineSteps(steps)
         self._any_worker = any_worker
         self._last: Any = None

@@ -13,21 +13,37 @@ The thread never holds a reference to the `Prefetcher`, so dropping it runs its
 finalizer, which closes the channel and lets the thread end. A producer busy
 inside the source (a slow read) ends once that read returns. `InlineSteps` is
 the same interface with no thread (prefetch depth 0).
+
+At interpreter exit no producer may still be alive: torch aborts the process
+(``terminate called without an active exception``) when a thread that ran torch
+ops is torn down during finalization. An `atexit` hook closes every producer's
+channel and joins its thread (for at most `EXIT_JOIN_SECONDS`), whatever became
+of its `Prefetcher`: still referenced, dropped or closed.
+
+`default_depth` decides when prefetching pays: only when the steps are copied to
+a CUDA device (the copy overlaps the step). On CPU replicas there is nothing to
+overlap, and a producer thread only competes with the training loop for the GIL
+(measured in docs/design.md), so the default there is no thread.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import threading
 import weakref
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from typing import Any
+
+import torch
 
 from ..runtime.random import RandomStreams
 
-__all__ = ["InlineSteps", "Prefetcher"]
+__all__ = ["DEFAULT_CUDA_DEPTH", "InlineSteps", "Prefetcher", "default_depth", "stop_all"]
 
 THREAD_NAME = "mirrored-input-prefetch"
+DEFAULT_CUDA_DEPTH = 2
+EXIT_JOIN_SECONDS = 10.0
 
 _END = object()
 
@@ -82,8 +98,54 @@ class _Channel:
             return self.producer_waiting
 
 
+def default_depth(devices: Sequence[torch.device], fetch_to_device: bool) -> int:
+    """The prefetch depth when the options leave it unset: `DEFAULT_CUDA_DEPTH` when
+    steps are copied to a CUDA device, else 0 (no thread).
+
+    Example:
+        >>> default_depth([torch.device("cpu"), torch.device("cpu")], True)
+        0
+    """
+    if fetch_to_device and any(d.type == "cuda" for d in devices):
+        return DEFAULT_CUDA_DEPTH
+    return 0
+
+
+# Every producer thread still alive, with its channel: what the exit hook stops.
+_producers: dict[threading.Thread, _Channel] = {}
+_producers_lock = threading.Lock()
+
+
+def stop_all(timeout: float = EXIT_JOIN_SECONDS) -> list[threading.Thread]:
+    """Closes every producer's channel and joins its thread; returns those still alive
+    after ``timeout`` seconds (a source stuck in a read). Runs at interpreter exit."""
+    with _producers_lock:
+        producers = list(_producers.items())
+    for _, channel in producers:
+        channel.close()
+    alive = []
+    for thread, _ in producers:
+        if thread is not threading.current_thread():
+            thread.join(timeout)
+        if thread.is_alive():
+            alive.append(thread)
+    return alive
+
+
+atexit.register(stop_all)
+
+
 def _produce(steps: Generator[Any, None, None], channel: _Channel,
              streams: RandomStreams) -> None:
+    try:
+        _produce_all(steps, channel, streams)
+    finally:
+        with _producers_lock:
+            _producers.pop(threading.current_thread(), None)
+
+
+def _produce_all(steps: Generator[Any, None, None], channel: _Channel,
+                 streams: RandomStreams) -> None:
     try:
         # The source's random draws (augmentations, shuffles) come from a stream of
         # its own, seeded on the consumer's thread: drawing from torch's shared CPU
@@ -128,6 +190,8 @@ class Prefetcher:
         streams.generator(0)  # seeded now, from the consumer's generator
         self._thread = threading.Thread(target=_produce, args=(steps, channel, streams),
                                         name=THREAD_NAME, daemon=True)
+        with _producers_lock:
+            _producers[self._thread] = channel
         self._thread.start()
         self._finalizer = weakref.finalize(self, channel.close)
 

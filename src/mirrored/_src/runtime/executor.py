@@ -279,8 +279,8 @@ class Executor:
                     raise _Interrupted
             if not task.wait():  # the rendezvous broke: give the others `grace`
                 self._bounded_wait(task, grace)
-            if task.unfinished():
-                self._abandon(task, self._timeout_hint or straggler_wait)
+                if task.unfinished():
+                    self._abandon(task, self._timeout_hint or straggler_wait)
         except BaseException as error:
             interrupt = next((f.error for f in task.failures
                               if not isinstance(f.error, Exception)), None)
@@ -317,6 +317,8 @@ class Executor:
                 "will be dropped"))
 
     def _wait_for_stragglers(self) -> None:
+        if not self._straggler_wait:
+            return  # no run was ever abandoned
         busy = [w for w in self._workers if w.busy]
         if not busy:
             return

@@ -13,6 +13,11 @@ woken, and every later call in the run raises at once. Each run has a generation
 a replica of an abandoned run (a straggler) that reaches a collective later is
 refused, so it can never meet the replicas of the next run. Leaving a wait because
 of an interrupt withdraws the slot (or marks it done) without waiting for anything.
+
+While a profiler is active (checked once per run), each replica's wait and the
+combine are `torch.profiler.record_function` ranges named
+``mirrored.<collective> wait|combine [replica i] at <call site>``: in a trace, the
+replicas that wait longest arrived first, and the combining one arrived last.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from ..errors import CollectiveMismatchError, CollectiveTimeoutError, ReplicaAbo
 from .contract import Arrival, CollectiveFailure, Failure, Raise, describe_call, mismatch_message
 
 __all__ = ["Rendezvous"]
+
+_record = torch.autograd.profiler.record_function
 
 SLICE = 0.1  # the longest untimed wait between checks for a pending interrupt
 
@@ -64,6 +71,7 @@ class Rendezvous:
         self._lock = threading.Lock()
         self._generation = 0
         self._combine_threads: int | None = None
+        self._profiling = False
         self._active = False
         self._round: list[_Slot | None] = [None] * self._n
         self._count = 0
@@ -72,11 +80,13 @@ class Rendezvous:
         self._exited = [False] * self._n
         self._broken: Failure | None = None
 
-    def start(self, combine_threads: int | None = None) -> int:
+    def start(self, combine_threads: int | None = None, profiling: bool = False) -> int:
         """Starts a new run; returns its generation. ``combine_threads``: the intra-op
-        thread count the combining replica uses (everyone else waits meanwhile)."""
+        thread count the combining replica uses (everyone else waits meanwhile);
+        ``profiling``: record profiler ranges for this run's waits and combines."""
         with self._lock:
             self._combine_threads = combine_threads
+            self._profiling = profiling
             self._generation += 1
             self._active = True
             self._round = [None] * self._n
@@ -131,10 +141,18 @@ class Rendezvous:
                 self._count = 0
                 self._completing = slots
                 self._completer = threading.get_ident()
-        if last:
-            self._complete(index, slots)
+        if not self._profiling:
+            if last:
+                self._complete(index, slots)
+            else:
+                self._wait(slot, timeout)
         else:
-            self._wait(slot, timeout)
+            phase = "combine" if last else "wait"
+            with _record(f"mirrored.{arrival.title} {phase} [replica {index}] at {arrival.site}"):
+                if last:
+                    self._complete(index, slots)
+                else:
+                    self._wait(slot, timeout)
         result: R = _take(slot)
         return result
 
@@ -266,7 +284,7 @@ class Rendezvous:
             if generation != self._generation or not self._active:
                 return  # a straggler of an abandoned run
             self._exited[index] = True
-            if self._broken is not None:
+            if self._broken is not None or (error is None and not self._count):
                 return
             waiting = {j: s.arrival for j, s in enumerate(self._round) if s is not None}
             if error is not None:

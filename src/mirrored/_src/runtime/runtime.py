@@ -8,6 +8,13 @@ the caller's thread, unless the strategy has a collective timeout: then every
 replica has a thread, so ``run`` returns even if replica 0 is stuck);
 `InlineRuntime` (the default strategy's) calls its one replica directly on the
 caller's thread, under the caller's device.
+
+Per ``run`` the common case (a CPU caller with torch's default thread state, no
+torch mode active, no profiler) reads a handful of thread-local flags, takes the
+run lock and hands one small `_Run` to the executor: no thread-state snapshot is
+taken, nothing is entered on the caller's thread, and a replica thread only sets
+its intra-op thread count. With a profiler active, ``run`` and each replica's
+function are `torch.profiler.record_function` ranges.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from .contract import Arrival, CollectiveFailure
 from .executor import Executor, ReplicaAbandoned, ReplicaFailure
 from .random import RandomStreams, drop_stale_modes
 from .rendezvous import Rendezvous
-from .thread_state import capture, refused_modes
+from .thread_state import ThreadState, capture, in_caller_context, refused_modes
 
 __all__ = ["InlineRuntime", "Runtime", "ThreadRuntime"]
 
@@ -39,6 +46,17 @@ R = TypeVar("R")
 
 GRACE_SECONDS = 0.5  # how long run waits for the others once a run is given up
 MISUSE_SECONDS = 2.0  # how long run waits for another run of the same strategy
+
+_thread_profiled = torch._C._autograd._profiler_enabled
+_record = torch.autograd.profiler.record_function
+_function_modes = torch._C._len_torch_function_stack
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+
+
+def _profiling() -> bool:
+    """Whether a profiler records this run: one started on this thread, or one started
+    with ``profile_all_threads=True`` (which only the profiler module's flag shows)."""
+    return _thread_profiled() or getattr(torch.autograd.profiler, "_is_profiler_enabled", False)
 
 
 class Runtime(Protocol):
@@ -49,9 +67,10 @@ class Runtime(Protocol):
         """The current device of the caller of the ``run`` in progress."""
         ...
 
-    def run(self, call: Callable[[int], Any]) -> list[Any]:
+    def run(self, call: Callable[[int], Any], fn: Callable[..., Any] | None = None) -> list[Any]:
         """Runs ``call(i)`` for every local replica ``i`` and returns the results in
-        order, or raises the first replica's exception (with a note naming it)."""
+        order, or raises the first replica's exception (with a note naming it).
+        ``fn``: the user's function, named in profiler ranges."""
         ...
 
     def exchange(self, index: int, arrival: Arrival[P, R], timeout: float | None) -> R:
@@ -78,6 +97,10 @@ def _complete_alone(arrival: Arrival[P, R]) -> R:
         raise failure.failure.error() from None
 
 
+def _fn_name(fn: Callable[..., Any] | None) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
 @contextlib.contextmanager
 def _on_device(device: torch.device) -> Iterator[None]:
     with torch.device(device):
@@ -86,6 +109,78 @@ def _on_device(device: torch.device) -> Iterator[None]:
                 yield
         else:
             yield
+
+
+def _plain_thread() -> bool:
+    """Whether this thread has torch's defaults for a new thread (what a replica thread
+    has): grad on, no inference mode, no autocast, no saved-tensor hooks. Cheaper than
+    `capture` (no snapshot); see `ThreadState.is_plain`."""
+    return (torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+            and not torch._C._is_any_autocast_enabled()
+            and torch._C._autograd._top_saved_tensors_default_hooks(False) is None)
+
+
+class _Run:
+    """One ``run``'s calls and what a replica thread needs of the caller's state. A
+    fresh one per run: a straggler of an abandoned run keeps its own."""
+
+    __slots__ = ("call", "caller_device", "caller_thread", "devices", "fn", "generation",
+                 "local", "profiling", "state", "streams", "threads")
+
+    def __init__(self, call: Callable[[int], Any], fn: Callable[..., Any] | None,
+                 runtime: ThreadRuntime, threads: int, state: ThreadState | None,
+                 caller_device: torch.device, profiling: bool) -> None:
+        self.call = call
+        self.fn = fn
+        self.local = runtime._local
+        self.devices = runtime._topology.torch_devices
+        self.streams = runtime._streams
+        self.threads = threads
+        self.state = state  # None: the caller's thread state is plain
+        self.caller_device = caller_device
+        self.caller_thread = threading.get_ident()
+        self.profiling = profiling
+        self.generation = 0
+
+    def replica(self, i: int) -> Any:
+        """Runs replica ``i`` on this thread (the caller's or a replica thread)."""
+        local = self.local
+        local.generation = self.generation
+        try:
+            device = self.devices[i]
+            if device.type == "cpu" and device == self.caller_device:
+                # The common case. The caller's thread has the caller's state and its
+                # thread count (set by run); a replica thread has torch's defaults,
+                # which a plain caller state is.
+                if threading.get_ident() == self.caller_thread:
+                    return self._call(i)
+                if self.state is None:
+                    if torch.get_num_threads() != self.threads:
+                        torch.set_num_threads(self.threads)
+                    return self._call(i)
+            with contextlib.ExitStack() as stack:
+                if device.type != "cpu" or device != self.caller_device:
+                    stack.enter_context(_on_device(device))
+                if self.state is not None:
+                    dataclasses.replace(self.state, num_threads=self.threads).apply(stack)
+                elif torch.get_num_threads() != self.threads:
+                    torch.set_num_threads(self.threads)
+                return self._call(i)
+        finally:
+            local.generation = 0
+
+    def _call(self, i: int) -> Any:
+        streams = self.streams
+        if not self.profiling:
+            if streams is None:
+                return self.call(i)
+            with streams.mode(i):
+                return self.call(i)
+        with _record(f"mirrored.replica {i}: {_fn_name(self.fn)}"):
+            if streams is None:
+                return self.call(i)
+            with streams.mode(i):
+                return self.call(i)
 
 
 _runtimes: weakref.WeakSet[ThreadRuntime] = weakref.WeakSet()
@@ -113,6 +208,9 @@ class ThreadRuntime:
         self._streams = RandomStreams(topology.replica_ids) if (
             per_replica_random and self._n > 1
             and all(d.kind == "CPU" for d in topology.devices)) else None
+        self._pool = default_pool()
+        self._pool.retain()
+        self._closed = False
         self._reset()
         _runtimes.add(self)
 
@@ -121,7 +219,10 @@ class ThreadRuntime:
                             caller_runs=self._timeout is None)
         self._executor = executor
         self._rendezvous = Rendezvous(self._topology.labels, on_timeout=executor.timed_out)
-        self._run_lock = threading.Lock()
+        # An RLock knows its owner: an interrupt between acquiring it and entering the
+        # try that releases it leaves it owned by the caller's thread, which takes it
+        # back on its next run; no other thread ever releases it.
+        self._run_lock = threading.RLock()
         self._caller_device = torch.device("cpu")
         self._running = False
         self._full_threads = torch.get_num_threads()
@@ -130,74 +231,51 @@ class ThreadRuntime:
     def caller_device(self) -> torch.device:
         return self._caller_device
 
-    def run(self, call: Callable[[int], Any]) -> list[Any]:
+    def run(self, call: Callable[[int], Any], fn: Callable[..., Any] | None = None) -> list[Any]:
         if self._n == 1:
+            if _profiling():
+                with _record(f"mirrored.run: {_fn_name(fn)}"):
+                    return [self._run_one(call)]
             return [self._run_one(call)]
-        drop_stale_modes()
-        if self._n > 1:
+        if _function_modes() or _dispatch_modes():
+            drop_stale_modes()
             modes = refused_modes()
             if modes:
                 raise RuntimeError(
                     f"{self._name}.run cannot carry {', '.join(modes)} into its replica "
-                    "threads (one mode object cannot be active on several threads); enter it "
-                    "inside the step function instead")
-        caller_state = capture()
-        self._full_threads = caller_state.num_threads
+                    "threads (one mode object cannot be active on several threads); enter "
+                    "it inside the step function instead")
+        full = torch.get_num_threads()
         # N logical CPU replicas share the caller's intra-op budget: each runs with
         # get_num_threads() // N threads (at least 1), whichever thread runs it.
-        threads = (max(1, caller_state.num_threads // self._n) if self._split_threads
-                   else caller_state.num_threads)
-        plain = caller_state.is_plain()
-        caller_thread = threading.get_ident()
-        caller_device = current_device()
-        devices = self._topology.torch_devices
-        streams = self._streams
-        local = self._local
+        threads = max(1, full // self._n) if self._split_threads else full
+        state = None if _plain_thread() else capture()
+        profiling = _profiling()
+        run = _Run(call, fn, self, threads, state, current_device(), profiling)
+        if profiling:
+            with _record(f"mirrored.run: {_fn_name(fn)}"):
+                return self._run(run, full)
+        return self._run(run, full)
 
-        def on_replica(i: int) -> Any:
-            local.generation = generation
-            device = devices[i]
-            try:
-                if device == caller_device and device.type == "cpu":
-                    # The common case. The caller's thread has the caller's state already;
-                    # a replica thread has torch's defaults, which a plain caller state is.
-                    on_caller = threading.get_ident() == caller_thread
-                    if on_caller or plain:
-                        previous = torch.get_num_threads()
-                        if previous != threads:
-                            torch.set_num_threads(threads)
-                        try:
-                            if streams is None:
-                                return call(i)
-                            with streams.mode(i):
-                                return call(i)
-                        finally:
-                            if on_caller and previous != threads:
-                                torch.set_num_threads(previous)
-                with contextlib.ExitStack() as stack:
-                    if device != caller_device or device.type != "cpu":
-                        stack.enter_context(_on_device(device))
-                    dataclasses.replace(caller_state, num_threads=threads).apply(stack)
-                    if streams is not None:
-                        stack.enter_context(streams.mode(i))
-                    return call(i)
-            finally:
-                local.generation = 0
-
+    def _run(self, run: _Run, full: int) -> list[Any]:
         self._acquire_run_lock()
         try:
             self._running = True
-            self._caller_device = caller_device
+            self._full_threads = full
+            self._caller_device = run.caller_device
             rendezvous = self._rendezvous
             # Everyone else waits while one replica combines: it may use the caller's
             # whole intra-op thread budget for that.
-            generation = rendezvous.start(
-                self._full_threads if self._split_threads else None)
-            if streams is not None:
-                streams.start_run()
+            generation = run.generation = rendezvous.start(
+                full if self._split_threads else None, run.profiling)
+            if self._streams is not None:
+                self._streams.start_run()
+            if run.threads != full:
+                torch.set_num_threads(run.threads)  # for the replicas run on this thread
             try:
                 results, failures = self._executor.run(
-                    on_replica, lambda i, error: rendezvous.replica_exited(generation, i, error),
+                    in_caller_context(run.replica, self._n),  # torch's compile config
+                    lambda i, error: rendezvous.replica_exited(generation, i, error),
                     rendezvous.abort, grace=GRACE_SECONDS,
                     straggler_wait=self._timeout or GRACE_SECONDS)
             finally:
@@ -206,9 +284,10 @@ class ThreadRuntime:
             self._running = False
             self._run_lock.release()
             # Undo what an interrupt may have left half-entered on this thread.
-            drop_stale_modes()
-            if torch.get_num_threads() != self._full_threads:
-                torch.set_num_threads(self._full_threads)
+            if _function_modes():
+                drop_stale_modes()
+            if torch.get_num_threads() != full:
+                torch.set_num_threads(full)
         if failures:
             raise self._failure_error(failures)
         return results
@@ -228,14 +307,14 @@ class ThreadRuntime:
             raise
 
     def _acquire_run_lock(self) -> None:
-        if self._run_lock.acquire(timeout=MISUSE_SECONDS):
-            return
-        if not self._running:
-            # Held, but no run in progress: an interrupt landed right after an earlier
-            # run acquired it. Take it over.
-            self._run_lock.release()
-            if self._run_lock.acquire(timeout=MISUSE_SECONDS):
+        lock = self._run_lock
+        if lock._is_owned():  # type: ignore[attr-defined]  # (what threading.Condition uses)
+            if not self._running:
+                # This thread holds it but runs nothing (nested runs are refused before
+                # this): an interrupt landed right after an earlier run acquired it.
                 return
+        elif lock.acquire(timeout=MISUSE_SECONDS):
+            return
         raise RuntimeError(
             f"{self._name}.run waited {MISUSE_SECONDS:g} s for another run of the same strategy "
             "to finish. If this thread was started inside a step function, that run waits "
@@ -255,7 +334,9 @@ class ThreadRuntime:
                 "run is in progress (e.g. a thread started inside the step function); close "
                 "the strategy after run returns")
         self._executor.close()
-        default_pool().clear()
+        if not self._closed:
+            self._closed = True
+            self._pool.release()  # emptied once no open strategy uses it
 
     def _note(self, index: int) -> str:
         return f"raised in {self._topology.labels[index]} of {self._name}.run"
@@ -291,7 +372,7 @@ class InlineRuntime:
     def caller_device(self) -> torch.device:
         return current_device()
 
-    def run(self, call: Callable[[int], Any]) -> list[Any]:
+    def run(self, call: Callable[[int], Any], fn: Callable[..., Any] | None = None) -> list[Any]:
         return [call(0)]
 
     def exchange(self, index: int, arrival: Arrival[P, R], timeout: float | None) -> R:

@@ -58,8 +58,8 @@ class MirroredStrategy(Strategy):
             returns within the timeout even if a replica is stuck in user code.
         per_replica_random: logical CPU replicas draw random numbers from streams of
             their own, seeded from the caller's generator (reproducible under
-            ``torch.manual_seed``); ``False`` shares the CPU generator (faster: no
-            torch function mode around the replicas' functions).
+            ``torch.manual_seed``); ``False`` shares the CPU generator (draws then
+            depend on thread timing).
 
     Raises:
         ValueError: an empty list, duplicates, a malformed name, a GPU that is not

@@ -138,7 +138,7 @@ class Strategy:
 
         key = distribute.run_started(self._parts)
         try:
-            results = self._parts.runtime.run(call)
+            results = self._parts.runtime.run(call, fn)
         finally:
             distribute.run_finished(self._parts, key)
         return regroup(results, self._parts.topology.device_names)

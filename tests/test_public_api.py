@@ -14,6 +14,7 @@ EXPECTED = {
     "InputOptions",
     "MirroredModule",
     "MirroredOptimizer",
+    "StartupError",
     "WorkerFailureError",
     "cluster_resolver",
     "testing",

@@ -85,7 +85,7 @@ def reduce(parts: Parts, reduce_op: ReduceOp | str, value: Any, axis: Any) -> An
         else:
             first = leaf.values[0] if isinstance(leaf, Mirrored) else leaf
             tensor = _detached(to_tensor(first, where, "reduce"))
-            if parts.cluster is not None:  # multi-worker: this worker's value, once
+            if topology.worker_values:  # multi-worker: this worker's value, once
                 plan = plan_components(title, op, [tensor], axes, topology.labels[:1], where)
                 partial, count = prepare(plan, tensor)
                 # The other local replicas add nothing: 0 to SUM/MEAN, the same value

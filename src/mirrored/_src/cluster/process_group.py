@@ -211,6 +211,9 @@ class Job:
             raise StartupError(f"worker {spec.rank} of {spec.world_size}: the process group "
                                f"did not start ({type(error).__name__}: {error})") from error
         monitor.arm()
+        if spec.attempt:
+            _log.warning("worker %d of %d: the job restarted (attempt %d of torchrun)",
+                         spec.rank, spec.world_size, spec.attempt)
         _log.info("worker %d of %d joined the job at %s (attempt %d, generation %d)",
                   spec.rank, spec.world_size, spec.where, spec.attempt, store.generation)
         return cls(spec, store, monitor, {k: [row[k] for row in table] for k in facts})

@@ -31,7 +31,8 @@ class PeerMonitor:
     """Beats this worker's heartbeat into ``store`` and watches the peers' beats.
 
     A heartbeat is ``"<count> <started> <completed>"``, or ``"exit <started>
-    <completed>"`` once a worker left. ``interval`` (a tenth of the failure timeout,
+    <completed> <reason>"`` once a worker left (``reason``: the exception it left
+    on, e.g. ``KeyboardInterrupt``; empty for a normal departure). ``interval`` (a tenth of the failure timeout,
     between 0.05 and 1 s) is how often it beats and looks.
 
     Example:
@@ -55,7 +56,7 @@ class PeerMonitor:
         now = time.monotonic()
         self._seen: dict[int, tuple[bytes, float]] = {r: (b"", now) for r in self._peers}
         self._progress: dict[int, int] = {}
-        self._left: dict[int, tuple[int, int]] = {}
+        self._left: dict[int, tuple[int, int, str]] = {}
         self._dead: list[int] = []
         self._last_read = now  # when the store last answered
         self._beats = 0
@@ -83,12 +84,13 @@ class PeerMonitor:
                 continue
             now = self._last_read = time.monotonic()
             for r, value in zip(present, values, strict=True):
-                head, started, completed = (value.split(b" ") + [b"0", b"0"])[:3]
+                head, started, completed, reason = (value.split(b" ") + [b"0", b"0", b""])[:4]
                 self._progress[r] = int(started)
                 if head == b"exit" and r not in self._left:
-                    self._left[r] = (int(started), int(completed))
-                    _log.info("worker %d: worker %d left the job after %s collectives",
-                              self.rank, r, int(completed))
+                    self._left[r] = (int(started), int(completed), reason.decode())
+                    _log.info("worker %d: worker %d left the job after %s collectives%s",
+                              self.rank, r, int(completed),
+                              f" ({reason.decode()})" if reason else "")
                 if value != self._seen[r][0]:
                     self._seen[r] = (value, now)
             self._judge(now, store_alive=True)
@@ -115,19 +117,22 @@ class PeerMonitor:
         """The workers whose heartbeat stopped (sorted)."""
         return list(self._dead)
 
-    def left_peers(self) -> dict[int, tuple[int, int]]:
-        """Workers that left -> how many collectives each had started and completed."""
+    def left_peers(self) -> dict[int, tuple[int, int, str]]:
+        """Workers that left -> how many collectives each had started and completed,
+        and the exception it left on ("" for none)."""
         return dict(self._left)
 
     def progress(self) -> dict[int, int]:
         """Each peer's count of started collectives, as last seen."""
         return dict(self._progress)
 
-    def stop(self, *, announce: bool = True) -> None:
-        """Stops beating; with ``announce``, tells the peers this worker left."""
+    def stop(self, *, announce: bool = True, reason: str = "") -> None:
+        """Stops beating; with ``announce``, tells the peers this worker left (on the
+        exception named by ``reason``, if any)."""
         self._stop.set()
         self._thread.join()
         if announce:
             with contextlib.suppress(Exception):  # the store is gone already
-                self._store.set(_key(self.rank), f"exit {self.started} {self.completed}")
+                self._store.set(_key(self.rank),
+                                f"exit {self.started} {self.completed} {reason}".rstrip())
         self._store = None  # its connection closes now

@@ -23,6 +23,7 @@ import gc
 import json
 import logging
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -224,8 +225,9 @@ class Job:
         self._monitor.started = started
         self._monitor.completed = completed
 
-    def gone(self) -> tuple[list[int], dict[int, tuple[int, int]]]:
-        """The dead peers, and the peers that left -> (started, completed) collectives."""
+    def gone(self) -> tuple[list[int], dict[int, tuple[int, int, str]]]:
+        """The dead peers, and the peers that left -> (started, completed collectives,
+        the exception each left on or "")."""
         return self._monitor.dead_peers(), self._monitor.left_peers()
 
     def progress(self) -> dict[int, int]:
@@ -248,12 +250,15 @@ class Job:
         return texts
 
     def close(self) -> None:
-        """Leaves the job: tells the peers, destroys the process group, drops the
-        store (worker 0's listening socket closes with it); idempotent."""
+        """Leaves the job: tells the peers (and, when called while an exception is
+        handled, e.g. ``except KeyboardInterrupt: strategy.close()``, that it leaves on
+        it: the peers count it as gone), destroys the process group, drops the store
+        (worker 0's listening socket closes with it); idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._monitor.stop()
+        handling = sys.exc_info()[0]
+        self._monitor.stop(reason="" if handling is None else handling.__name__)
         if dist.is_initialized():
             dist.destroy_process_group()
         self._store = None

@@ -43,8 +43,9 @@ class JobLink(Protocol):
         """This worker's counts of started and completed collectives."""
         ...
 
-    def gone(self) -> tuple[list[int], dict[int, tuple[int, int]]]:
-        """Dead peers, and peers that left -> (started, completed)."""
+    def gone(self) -> tuple[list[int], dict[int, tuple[int, int, str]]]:
+        """Dead peers, and peers that left -> (started, completed, the exception it
+        left on or "")."""
         ...
 
     def progress(self) -> dict[int, int]:

@@ -351,13 +351,18 @@ class DistributedCommunicator:
             self._fail(WorkerFailureError(
                 f"worker {names} failed (no heartbeat for {self._job.failure_timeout:g} s) "
                 f"while worker {me} was in {text} (collective #{seq})", tuple(dead)), cause)
-        during = sorted(r for r, (started, done) in left.items() if done < seq <= started)
+        # Gone: left on an exception (Ctrl-C), or inside a collective it never finished.
+        during = {r: reason for r, (started, done, reason) in left.items()
+                  if done < seq and (reason or seq <= started)}
         if during:
-            names = ", ".join(str(r) for r in during)
+            names = ", ".join(str(r) for r in sorted(during))
+            why = "; ".join(f"worker {r} on {reason}" if reason else
+                            f"worker {r} inside collective #{left[r][0]}"
+                            for r, reason in sorted(during.items()))
             self._fail(WorkerFailureError(
-                f"worker {names} left the job (closed its strategy, e.g. after Ctrl-C) during "
-                f"collective #{seq}, while worker {me} was in {text}", tuple(during)), cause)
-        skipped = {r: done for r, (started, done) in left.items() if started < seq}
+                f"worker {names} left the job ({why}) while worker {me} was in {text} "
+                f"(collective #{seq})", tuple(sorted(during))), cause)
+        skipped = {r: done for r, (started, done, _) in left.items() if started < seq}
         if skipped:
             listing = "; ".join(f"worker {r} left after {n} collectives"
                                 for r, n in sorted(skipped.items()))

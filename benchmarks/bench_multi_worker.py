@@ -209,8 +209,8 @@ def main() -> None:
           f"{r['train_ddp']:.0f} examples/s: {r['train_mirrored'] / r['train_ddp']:.2f}x "
           "(target >= 1.0x)")
     print(f"(f) digits MLP training: mirrored {r['train_mlp_mirrored']:.0f} examples/s, DDP "
-          f"{r['train_mlp_ddp']:.0f} examples/s: {r['train_mlp_mirrored'] / r['train_mlp_ddp']:.2f}x"
-          " (target >= 1.0x)")
+          f"{r['train_mlp_ddp']:.0f} examples/s: "
+          f"{r['train_mlp_mirrored'] / r['train_mlp_ddp']:.2f}x (target >= 1.0x)")
     print(f"(g) the same with check_collectives=False: mirrored {r['train_unchecked_mirrored']:.0f}"
           f" examples/s, DDP {r['train_unchecked_ddp']:.0f} examples/s: "
           f"{r['train_unchecked_mirrored'] / r['train_unchecked_ddp']:.2f}x (no target)")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
-import re
 import queue
+import re
 import signal
 import socket
 import time
@@ -29,6 +29,8 @@ from mirrored._src.devices import parse_devices
 from mirrored._src.errors import WorkerFailureError
 from mirrored._src.reduce_op import ReduceOp
 from mirrored._src.topology import Topology
+
+pytestmark = pytest.mark.multiprocess
 
 # ------------------------------------------------------------------ spawn helper
 
@@ -190,7 +192,8 @@ def test_a_different_shape_raises_mismatch_on_every_worker() -> None:
 def test_a_skipped_call_raises_mismatch_on_every_worker() -> None:
     messages = _mismatches(_spawn(_skip_one, 3, timeout_seconds=20), 3)
     for message in messages:
-        assert "worker 2: DistributedCommunicator.gather(gather of float32[-1, 3] along 0)" in message
+        assert "worker 2: DistributedCommunicator.gather(gather of float32[-1, 3] along 0)" in (
+            message)
         assert "worker 0: DistributedCommunicator.reduce_packed" in message
 
 

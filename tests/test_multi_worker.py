@@ -21,6 +21,8 @@ import mirrored
 from mirrored._src.data.split import chunk_bounds
 from mirrored.experimental import CommunicationOptions
 
+pytestmark = pytest.mark.multiprocess
+
 OPTIONS = CommunicationOptions(timeout_seconds=20)
 
 

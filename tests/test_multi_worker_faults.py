@@ -292,7 +292,10 @@ def test_every_startup_fault_is_a_typed_error_within_the_bound(tmp_path):
         assert 0 <= seconds < (2.0 if fast else bound), message_seconds
         return message
 
-    assert "port is taken" in typed(reports[0]["silent"], fast=True)
+    # Worker 0 cannot bind, or binds the IPv6 wildcard beside the program's 127.0.0.1
+    # (the kernel's choice) and then waits for worker 1: typed and bounded either way.
+    silent = typed(reports[0]["silent"])
+    assert "port is taken" in silent or "worker(s) 1 did not join" in silent
     assert "did not answer as the job's store" in typed(reports[1]["silent"])
     for rank in (0, 1):
         assert "workers disagree on the job's size" in typed(reports[rank]["sizes"], fast=True)

@@ -19,6 +19,8 @@ from torch import nn
 import mirrored
 from mirrored.experimental import CommunicationOptions
 
+pytestmark = pytest.mark.multiprocess
+
 GLOBAL_BATCH = 8
 STEPS = 6
 

@@ -32,8 +32,8 @@ class PeerMonitor:
 
     A heartbeat is ``"<count> <started> <completed>"``, or ``"exit <started>
     <completed> <reason>"`` once a worker left (``reason``: the exception it left
-    on, e.g. ``KeyboardInterrupt``; empty for a normal departure). ``interval`` (a tenth of the failure timeout,
-    between 0.05 and 1 s) is how often it beats and looks.
+    on, e.g. ``KeyboardInterrupt``; empty for a normal departure). ``interval`` (a
+    tenth of the failure timeout, between 0.05 and 1 s) is how often it beats and looks.
 
     Example:
         >>> import torch.distributed as dist
@@ -84,7 +84,7 @@ class PeerMonitor:
                 continue
             now = self._last_read = time.monotonic()
             for r, value in zip(present, values, strict=True):
-                head, started, completed, reason = (value.split(b" ") + [b"0", b"0", b""])[:4]
+                head, started, completed, reason = [*value.split(b" "), b"0", b"0", b""][:4]
                 self._progress[r] = int(started)
                 if head == b"exit" and r not in self._left:
                     self._left[r] = (int(started), int(completed), reason.decode())

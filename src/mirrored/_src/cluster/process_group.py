@@ -143,7 +143,8 @@ class Job:
 
     What communicators use (and nothing else of the job): `note_progress`, `gone`,
     `progress`, `share`, ``rank``, ``world_size``, ``failure_timeout``,
-    ``collective_timeout`` and ``poll_interval``. ``facts`` holds every worker's start-up facts, in worker order.
+    ``collective_timeout`` and ``poll_interval``. ``facts`` holds every worker's
+    start-up facts, in worker order.
     """
 
     def __init__(self, spec: JobSpec, store: Any, monitor: PeerMonitor,

@@ -11,11 +11,10 @@ and its result is dropped)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
-
 import contextlib
 import threading
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 

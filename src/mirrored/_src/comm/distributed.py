@@ -38,7 +38,7 @@ from ..reduce_op import ReduceOp
 from ..reduction import describe
 from ..topology import Topology
 from . import packing
-from .call_identity import CallLedger, JobLink, UserCall, Wire, identity_hash, user_call
+from .call_identity import CallLedger, JobLink, Wire, identity_hash, user_call
 from .cross_device_ops import CrossDeviceOps
 from .host import concat
 

@@ -8,6 +8,7 @@ seconds, messages, results); the parent asserts on every worker's report.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 import signal
@@ -308,13 +309,22 @@ def test_every_startup_fault_is_a_typed_error_within_the_bound(tmp_path):
     assert reports[0]["busy-job"] == reports[1]["busy-job"] == 2.0  # unharmed
 
 
-def _agent_store(port: int) -> float:
+def _agent_store(port: int) -> tuple[float, list[str]]:
     # torchrun's agent hosts the store: worker 0 must not try to bind the port.
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("mirrored")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(Keep())
     strategy = mirrored.MultiWorkerMirroredStrategy(communication_options=TIMEOUT,
                                                     devices=["CPU:0"])
     total = strategy.reduce("SUM", torch.tensor(1.0)).item()
     strategy.close()
-    return total
+    return total, records
 
 
 @pytest.mark.timeout(60)
@@ -332,4 +342,8 @@ def test_workers_join_through_torchruns_agent_store():
             env={"MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"})
     finally:
         del agent
-    assert totals == [2.0, 2.0]
+    for rank, (total, records) in enumerate(totals):
+        assert total == 2.0
+        # operators can follow the job: joins and leaves, with the worker's index
+        assert f"worker {rank} of 2 joined the job at 127.0.0.1:{port}" in records[0]
+        assert f"worker {rank} of 2 left the job at 127.0.0.1:{port}" in records[-1]

@@ -196,7 +196,8 @@ class Job:
         deadline = time.monotonic() + spec.timeout_seconds
         store, table = _join(spec, facts, deadline)
         client = _connect(spec, deadline, host=False)
-        beat_store = _PrefixStore(store.prefix, client)
+        beat_store = _PrefixStore(f"mirrored/attempt-{spec.attempt}", client)
+        beat_store = _PrefixStore(f"job-{store.generation}", beat_store)
         monitor = PeerMonitor(beat_store, rank=spec.rank, world_size=spec.world_size,
                               failure_timeout=spec.failure_timeout_seconds)
         # Gloo's own timeout outlasts the communicators' deadlines (the job's timeout)
@@ -278,9 +279,8 @@ class Job:
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Keys:
     store: Any  # the job's namespace of the store
-    prefix: str
     generation: int
-    root: Any
+    server: Any  # worker 0's store server (None elsewhere), held by the job alone
 
 
 def _connect(spec: JobSpec, deadline: float, *, host: bool) -> Any:
@@ -323,18 +323,22 @@ def _connect(spec: JobSpec, deadline: float, *, host: bool) -> Any:
 def _join(spec: JobSpec, facts: dict[str, int], deadline: float
           ) -> tuple[_Keys, list[dict[str, int]]]:
     """Reaches the store and meets every worker in this job's namespace."""
-    base = f"mirrored/attempt-{spec.attempt}/"
-    host = spec.rank == 0 and not spec.agent_store
+    base = f"mirrored/attempt-{spec.attempt}"
     while True:
-        root = _connect(spec, deadline, host=host)
+        # Worker 0 hosts the store (unless torchrun's agent does) and, like every
+        # worker, talks to it as a client: only the job holds the server, so the
+        # port is free again when the job closes, even if something (a DDP model)
+        # keeps the process group, and with it the client, alive.
+        server = _connect(spec, deadline, host=True) if (
+            spec.rank == 0 and not spec.agent_store) else None
         try:
+            root = _PrefixStore(base, _connect(spec, deadline, host=False))
             if spec.rank == 0:
-                generation = int(root.add(base + "generation", 1))
-                root.set(base + "current", str(generation))
+                generation = int(root.add("generation", 1))
+                root.set("current", str(generation))
             else:
-                generation = _current_generation(root, base, spec, deadline)
-            keys = _Keys(_PrefixStore(f"{base}job-{generation}/", root),
-                         f"{base}job-{generation}/", generation, root)
+                generation = _current_generation(root, spec, deadline)
+            keys = _Keys(_PrefixStore(f"job-{generation}", root), generation, server)
             return keys, _meet(keys.store, spec, facts, deadline)
         except (_Retry, *_STORE_ERRORS) as error:
             if isinstance(error, StartupError):
@@ -344,16 +348,18 @@ def _join(spec: JobSpec, facts: dict[str, int], deadline: float
                     f"worker {spec.rank} of {spec.world_size}: the job's store at "
                     f"{spec.where} went away during start-up and did not come back within "
                     f"{spec.timeout_seconds:g} s") from error
+            server = None  # (worker 0 rebinds on the next try)
             time.sleep(_POLL)  # an ending job's store, or worker 0 restarting its store
 
 
-def _current_generation(root: Any, base: str, spec: JobSpec, deadline: float) -> int:
+def _current_generation(root: Any, spec: JobSpec, deadline: float) -> int:
     """The job worker 0 started last, once it is not one this rank already left."""
     while True:
-        if root.check([base + "current"]):
-            generation = int(root.get(base + "current"))
-            beat = f"{base}job-{generation}/heartbeat/{spec.rank}"
-            if not (root.check([beat]) and root.get(beat).startswith(b"exit")):
+        if root.check(["current"]):
+            generation = int(root.get("current"))
+            job = _PrefixStore(f"job-{generation}", root)
+            beat = f"heartbeat/{spec.rank}"
+            if not (job.check([beat]) and job.get(beat).startswith(b"exit")):
                 return generation
         if time.monotonic() >= deadline:
             raise _Retry

@@ -37,7 +37,8 @@ from ..errors import CollectiveMismatchError, CollectiveTimeoutError, WorkerFail
 from ..reduce_op import ReduceOp
 from ..reduction import describe
 from ..topology import Topology
-from . import packing
+from . import packing, trailer
+from .buffers import default_pool
 from .call_identity import CallLedger, JobLink, Wire, identity_hash, user_call
 from .cross_device_ops import CrossDeviceOps
 from .host import concat
@@ -111,6 +112,7 @@ class DistributedCommunicator:
         self._ledger = ledger if ledger is not None else CallLedger()
         nccl = dist.get_backend(group) == "nccl"
         self._wire = topology.devices[0] if nccl else _HOST  # where cross-worker data travels
+        self._world = topology.num_workers
 
     def with_timeout(self, timeout_seconds: float | None) -> DistributedCommunicator:
         """The same communicator (same job, same call counts) with another timeout, for
@@ -130,16 +132,29 @@ class DistributedCommunicator:
         keys = [(t.dtype, t.device, id(destinations[k])) for k, t in enumerate(first)]
         nbytes = [t.numel() * t.element_size() for t in first]
         packs = packing.plan(nbytes, keys, bytes_per_pack)
-        buffers = []
-        for members in packs:
-            flats = [packing.pack([leaves[m] for m in members]) for leaves in per_replica]
-            buffers.append(self._local.reduce_to_devices(reduce_op, flats, (self._wire,))[0])
         kind = reduce_op.name.lower()
+        buffers, views = [], []
+        extra = 0
+        for index, members in enumerate(packs):
+            flats = [packing.pack([leaves[m] for m in members]) for leaves in per_replica]
+            if index == 0 and self._check:
+                extra = trailer.length(kind, flats[0].dtype, self._topology.num_workers)
+            if extra and index == 0:  # the call check rides at the end of the first pack
+                n = flats[0].numel()
+                buffer = default_pool().empty((n + extra,), flats[0].dtype,
+                                              self._wire.torch_device)
+                buffer[:n].copy_(flats[0] if len(flats) == 1 else self._local.reduce_to_devices(
+                    reduce_op, flats, (self._wire,))[0])
+                buffers.append(buffer)
+                views.append(buffer[:n])
+                continue
+            buffers.append(self._local.reduce_to_devices(reduce_op, flats, (self._wire,))[0])
+            views.append(buffers[-1])
         wire = tuple((kind, str(b.dtype), b.numel()) for b in buffers)
         self._call(f"{reduce_op.name} of " + ", ".join(describe(t) for t in first), wire,
                    buffers)
         out: list[list[torch.Tensor]] = [[] for _ in first]
-        for members, buffer in zip(packs, buffers, strict=True):
+        for members, buffer in zip(packs, views, strict=True):
             like = [first[m] for m in members]
             for flat in self._copies(buffer, destinations[members[0]]):
                 for m, part in zip(members, packing.unpack(flat, like), strict=True):
@@ -178,10 +193,14 @@ class DistributedCommunicator:
         """Global element counts (``per_replica[r][k]``: local replica ``r``'s count of
         value ``k``): one int64 all-reduce SUM, checked like every call."""
         local = [sum(counts) for counts in zip(*per_replica, strict=True)]
-        totals = torch.tensor(local, dtype=torch.int64, device=self._wire.torch_device)
-        self._call(f"element counts of {len(local)} values", (("sum", "torch.int64",
-                                                                 len(local)),), [totals])
-        return [int(t) for t in totals.tolist()]
+        extra = trailer.length("sum", torch.int64, self._topology.num_workers
+                               ) if self._check else 0
+        totals = torch.zeros(len(local) + extra, dtype=torch.int64,
+                             device=self._wire.torch_device)
+        totals[:len(local)] = torch.tensor(local, dtype=torch.int64)
+        self._call(f"element counts of {len(local)} values",
+                   (("sum", "torch.int64", totals.numel()),), [totals])
+        return [int(t) for t in totals[:len(local)].tolist()]
 
     def agree(self, what: str, value: int) -> list[int]:
         """Every worker's ``value`` (one int each), in worker order.
@@ -247,23 +266,53 @@ class DistributedCommunicator:
         agreed, ledger.agreed = ledger.agreed, None
         if not check and wire and wire != _GATHER:
             self._wait(self._launch(wire, data), seq, text)  # unchecked: the data only
-            ledger.completed = seq
-            if self._job is not None:
-                self._job.note_progress(seq, seq)
+            self._done(seq)
             return []
         if agreed is not None and agreed != _GATHER:
+            inside = self._trailer_length(agreed)  # the check rides in the data
             if agreed == wire:  # header and data together
-                table = self._round(row, self._launch(wire, data), seq, text)
-                if not any(r[2] for r in table):
-                    return self._verified(table, seq, text)
+                if inside:
+                    trailer.encode(data[0][-inside:], wire[0][0], self._world,
+                                   (ident, predicted, 0))
+                    self._wait(self._launch(wire, data), seq, text)
+                    (same, guess, miss), _ = trailer.decode(data[0][-inside:], wire[0][0],
+                                                            self._world)
+                    if miss == 0:
+                        if same is None:
+                            self._mismatch(seq, text)
+                        ledger.agreed = ledger.predicted if guess == predicted != 0 else None
+                        self._done(seq)
+                        return []
+                else:
+                    table = self._round(row, self._launch(wire, data), seq, text)
+                    if not any(r[2] for r in table):
+                        return self._verified(table, seq, text)
             else:  # zeros of the agreed sizes, so that every worker sends what it expects
                 dummy = [torch.zeros(n, dtype=getattr(torch, d.removeprefix("torch.")),
                                      device=self._wire.torch_device) for _, d, n in agreed]
-                self._round([*row[:2], 1, *row[3:]], self._launch(agreed, dummy), seq, text)
+                if inside:
+                    trailer.encode(dummy[0][-inside:], agreed[0][0], self._world,
+                                   (ident, 0, 1))
+                    self._wait(self._launch(agreed, dummy), seq, text)
+                else:
+                    self._round([*row[:2], 1, *row[3:]], self._launch(agreed, dummy), seq,
+                                text)
         table = self._verified(self._round(row, [], seq, text), seq, text)
         if wire != _GATHER and data:
             self._wait(self._launch(wire, data), seq, text)
         return table
+
+    def _trailer_length(self, wire: Wire) -> int:
+        """The trailer a call of these wire sizes carries in its first pack (0: none)."""
+        if not wire or wire[0][0] not in ("sum", "min", "max"):
+            return 0
+        dtype = getattr(torch, wire[0][1].removeprefix("torch."))
+        return trailer.length(wire[0][0], dtype, self._world)
+
+    def _done(self, seq: int) -> None:
+        self._ledger.completed = seq
+        if self._job is not None:
+            self._job.note_progress(seq, seq)
 
     def _launch(self, wire: Wire, data: Sequence[torch.Tensor]) -> list[Any]:
         works = []
@@ -291,9 +340,7 @@ class DistributedCommunicator:
             self._mismatch(seq, text)
         if all(r[1] == table[0][1] for r in table) and table[0][1]:
             ledger.agreed = ledger.predicted
-        ledger.completed = seq
-        if self._job is not None:
-            self._job.note_progress(seq, seq)
+        self._done(seq)
         return table
 
     # ------------------------------------------------------------------ waits

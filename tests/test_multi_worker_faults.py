@@ -239,6 +239,13 @@ def _wait_for(path: pathlib.Path, seconds: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+def _sync(flags: pathlib.Path, name: str) -> None:
+    """Every rank reaches ``name`` before any goes on (the scenarios take turns)."""
+    (flags / f"{name}-{_rank()}").touch()
+    for r in range(3):
+        _wait_for(flags / f"{name}-{r}")
+
+
 def _startup_faults(ports: list[int], directory: str) -> dict:
     rank = _rank()
     flags = pathlib.Path(directory)
@@ -247,14 +254,18 @@ def _startup_faults(ports: list[int], directory: str) -> dict:
     # A program that accepts connections on the port and never answers.
     if rank in (0, 1):
         out["silent"] = _start(silent, rank, 2)
+    _sync(flags, "sizes")
     # WORLD_SIZE differs: worker 0 says 2 workers, worker 1 says 3.
     if rank in (0, 1):
         out["sizes"] = _start(sizes, rank, 2 + rank)
+    _sync(flags, "absent")
     # The chief never starts.
     if rank in (1, 2):
         out["absent"] = _start(absent, rank, 3)
+    _sync(flags, "duplicate")
     # Two workers claim rank 1.
     out["duplicate"] = _start(duplicate, min(rank, 1), 3)
+    _sync(flags, "busy")
     # A second job on the port of a running one: its worker 0, then its worker 1.
     if rank in (0, 1):
         resolver = SimpleClusterResolver(num_workers=2, worker_index=rank, master_port=busy)

@@ -84,7 +84,9 @@ class PeerMonitor:
                 continue
             now = self._last_read = time.monotonic()
             for r, value in zip(present, values, strict=True):
-                head, started, completed, reason = [*value.split(b" "), b"0", b"0", b""][:4]
+                parts = value.split(b" ")
+                head, started, completed = [*parts, b"0", b"0"][:3]
+                reason = parts[3] if len(parts) > 3 else b""
                 self._progress[r] = int(started)
                 if head == b"exit" and r not in self._left:
                     self._left[r] = (int(started), int(completed), reason.decode())

@@ -73,6 +73,6 @@ def test_the_ledger_counts_runs_and_predicts_the_next_call():
 @pytest.mark.parametrize("workers", [2, 3, 64])
 def test_sum_chunks_stay_exact_in_float32(workers):
     rows = [(2**62 - 1, 2**61 + 12345, 0)] * workers
-    (same, guess, miss), ok = trailer.decode(_combined("sum", torch.float32, rows), "sum",
+    (same, guess, _), ok = trailer.decode(_combined("sum", torch.float32, rows), "sum",
                                              workers)
     assert ok and same == 2**62 - 1 and guess == 2**61 + 12345

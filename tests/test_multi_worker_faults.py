@@ -84,12 +84,32 @@ def _expected(step: int) -> list[float]:
     return [111.0 * (step + 1)] * 3  # 1 + 10 + 100, times the step's factor
 
 
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("kind", ["skip", "extra", "chief-only", "around-save"])
+KINDS = ("skip", "extra", "chief-only", "around-save")
+
+
+def _diverge_each(directory: str) -> dict:
+    """Every kind in turn, each with a new strategy (a new job on the same port)."""
+    reports = {}
+    for kind in KINDS:
+        path = pathlib.Path(directory, kind)
+        reports[kind] = _diverge(kind, str(path))
+    return reports
+
+
+@pytest.fixture(scope="module")
+def divergences(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("divergences")
+    return directory, mirrored.testing.run_multi_process(_diverge_each, 3,
+                                                         args=(str(directory),), timeout=170)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_diverging_worker_raises_on_every_worker_before_any_mixed_value_is_used(
-        kind, tmp_path):
-    reports = mirrored.testing.run_multi_process(_diverge, 3, args=(kind, str(tmp_path)),
-                                                 timeout=140)
+        kind, divergences):
+    directory, by_rank = divergences
+    tmp_path = directory / kind
+    reports = [r[kind] for r in by_rank]
     for rank, report in enumerate(reports):
         message = report["error"]
         assert "workers made different calls as collective" in message, (rank, report)

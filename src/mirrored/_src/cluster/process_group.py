@@ -6,12 +6,11 @@ strategy owns and hands to its communicators (as torch's ``Joinable`` or torchft
 agent when ``TORCHELASTIC_USE_AGENT_STORE`` says so), meets every worker in a
 rendezvous of its own (each worker's rank, the job's size and the facts every worker
 must share are compared, so a wrong ``WORLD_SIZE``, a duplicate rank or a second job
-on the port is a `StartupError` on every worker, fast), starts the default
-``torch.distributed`` process group and a `PeerMonitor`. Every wait is bounded by
-the job's timeout, also where torch's store client would hang (a port held by a
-program that never answers). `Job.close` leaves the job. Nothing here is
-process-wide: the job keeps its store, its monitor and its keys; a job started later
-by the same processes gets keys of its own (a generation counter in the store).
+on the port is a `StartupError` on every worker, fast), starts the default process
+group and a `PeerMonitor`. Every wait is bounded by the job's timeout, also where
+torch's store client would hang. `Job.close` leaves the job. Nothing is process-wide:
+the job keeps its store, monitor and keys; a later job of the same processes gets
+keys of its own (a generation counter in the store).
 """
 
 from __future__ import annotations
@@ -139,13 +138,8 @@ class _Retry(Exception):
 
 
 class Job:
-    """This worker's membership in a started job (see `Job.start`).
-
-    What communicators use (and nothing else of the job): `note_progress`, `gone`,
-    `progress`, `share`, ``rank``, ``world_size``, ``failure_timeout``,
-    ``collective_timeout`` and ``poll_interval``. ``facts`` holds every worker's
-    start-up facts, in worker order.
-    """
+    """This worker's membership in a started job (see `Job.start`). Communicators use
+    only its `JobLink` members; ``facts``: every worker's start-up facts, in order."""
 
     def __init__(self, spec: JobSpec, store: Any, monitor: PeerMonitor,
                  facts: dict[str, list[int]]) -> None:

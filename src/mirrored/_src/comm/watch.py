@@ -73,7 +73,10 @@ class CallWatch:
                 f"(collective #{seq}): the process group's timeout{self._progress_text()}"),
                 error)
         if self._job is not None:
-            give_up = time.monotonic() + self._job.failure_timeout + 3 * self._job.poll_interval
+            # The monitor names the dead peer within its bound; a loaded machine may
+            # delay its thread, so the nameless error waits 2 s more than the bound.
+            give_up = (time.monotonic() + self._job.failure_timeout
+                       + 3 * self._job.poll_interval + 2.0)
             while time.monotonic() < give_up:
                 self.fail_if_gone(seq, text, cause=error)
                 time.sleep(self._job.poll_interval / 2)

@@ -66,8 +66,10 @@ class MultiWorkerMirroredStrategy(Strategy):
     Failures never hang: a collective that a peer never joins raises
     `CollectiveTimeoutError` after ``communication_options.timeout_seconds``; a dead
     peer makes the survivors raise `WorkerFailureError` naming it within
-    ``failure_timeout_seconds``; a worker that skips a collective or calls another
-    one makes the others raise `CollectiveMismatchError`.
+    ``failure_timeout_seconds`` plus three heartbeat intervals (a tenth of it each, at
+    most 1 s); a worker that skips a collective or calls another one makes every
+    worker raise `CollectiveMismatchError`, naming each worker's call and its site,
+    before any data of that call is used (docs/multi_worker.md).
 
     Args:
         cluster_resolver: where this process sits in the job (default:

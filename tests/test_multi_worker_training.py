@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 import mirrored
-from mirrored._src.cluster import process_group
 from mirrored.experimental import CommunicationOptions
+
+pytestmark = pytest.mark.multiprocess
 
 GLOBAL_BATCH = 8
 STEPS = 6
@@ -101,7 +102,6 @@ def _worker(local: int, directory: str | None, crash_at: int | None,
                                   model_fn=noisy_cnn if worker == 1 else cnn)
     finally:
         strategy.close()
-        process_group.destroy_process_group()
     return {k: v.tolist() for k, v in state.items()}
 
 

@@ -19,6 +19,7 @@ EXPECTED = {
     "ReplicaDivergenceError",
     "PreemptionCheckpointHandler",
     "TerminationConfig",
+    "StartupError",
     "WorkerFailureError",
     "cluster_resolver",
     "elastic",

@@ -31,6 +31,7 @@ from ._src.errors import CollectiveMismatchError as CollectiveMismatchError
 from ._src.errors import CollectiveTimeoutError as CollectiveTimeoutError
 from ._src.errors import MirroredError as MirroredError
 from ._src.errors import ReplicaDivergenceError as ReplicaDivergenceError
+from ._src.errors import StartupError as StartupError
 from ._src.errors import WorkerFailureError as WorkerFailureError
 from ._src.loss import compute_average_loss as compute_average_loss
 from ._src.reduce_op import ReduceOp as ReduceOp
@@ -70,6 +71,7 @@ __all__ = [
     "ReplicaDivergenceError",
     "PreemptionCheckpointHandler",
     "TerminationConfig",
+    "StartupError",
     "WorkerFailureError",
     "cluster_resolver",
     "elastic",

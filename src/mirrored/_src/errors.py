@@ -12,6 +12,7 @@ __all__ = [
     "MirroredError",
     "ReplicaAbortedError",
     "ReplicaDivergenceError",
+    "StartupError",
     "WorkerFailureError",
 ]
 
@@ -48,6 +49,19 @@ class WorkerFailureError(MirroredError, RuntimeError):
     """A peer worker of a multi-worker job died (its process or connection is gone).
 
     ``workers`` holds the indices of the failed workers (empty when unknown).
+    """
+
+    def __init__(self, message: str, workers: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.workers = workers
+
+
+class StartupError(MirroredError, RuntimeError):
+    """A multi-worker job could not start: the rendezvous was unreachable or held by
+    another program, the workers disagree on the job (its size, their ranks), or not
+    every worker joined within the timeout.
+
+    ``workers`` holds the indices of the workers the error is about (empty when unknown).
     """
 
     def __init__(self, message: str, workers: tuple[int, ...] = ()) -> None:

@@ -28,6 +28,8 @@ class Topology:
         follows_caller: the default strategy's topology: its one replica is wherever
             the caller is (the caller's thread and current device), and a value that
             is not per-replica is already "the" value.
+        worker_values: a worker of a multi-worker job (of any size): a value that is
+            not per-replica is this worker's value, combined once per worker.
 
     Raises:
         ValueError: no devices, or a worker index outside ``0 .. num_workers - 1``.
@@ -44,6 +46,7 @@ class Topology:
     worker_index: int = 0
     num_workers: int = 1
     follows_caller: bool = False
+    worker_values: bool = False
     # Derived, filled in __post_init__ (hot paths read them).
     num_local_replicas: int = dataclasses.field(init=False)
     num_replicas_in_sync: int = dataclasses.field(init=False)

@@ -118,7 +118,8 @@ def parse_torchrun(environ: Mapping[str, str]) -> ClusterSpec:
                if "TORCHELASTIC_RESTART_COUNT" in environ else 0)
     return ClusterSpec(num_workers=world_size, worker_index=rank, master_addr=addr,
                        master_port=port, local_rank=local_rank,
-                       local_world_size=local_world_size, source="torchrun", attempt=attempt)
+                       local_world_size=local_world_size, source="torchrun", attempt=attempt,
+                       agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
 
 
 def _json_type(value: Any) -> str:

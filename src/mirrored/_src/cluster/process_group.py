@@ -1,11 +1,16 @@
-"""The job's ``torch.distributed`` process group, and how a worker learns a peer died.
+"""`Job`: one worker's membership in a multi-worker job, an explicit part that a
+strategy owns and hands to its communicators (as torch's ``Joinable`` or torchft's
+``Manager`` are explicit).
 
-`init_process_group` starts the default process group (Gloo for CPU, NCCL for
-CUDA) over a ``TCPStore`` hosted by worker 0, with a short timeout instead of
-torch's 30 minutes, and starts a `PeerMonitor`: each worker beats a counter (and
-the number of collectives it has started) into the store, and a peer whose
-counter stops moving for ``failure_timeout_seconds`` is dead. `Job` holds both;
-`destroy_process_group` tears them down.
+`Job.start` connects to the job's ``TCPStore`` (hosted by worker 0, or by torchrun's
+agent when ``TORCHELASTIC_USE_AGENT_STORE`` says so), meets every worker in a
+rendezvous of its own (each worker's rank, the job's size and the facts every worker
+must share are compared, so a wrong ``WORLD_SIZE``, a duplicate rank or a second job
+on the port is a `StartupError` on every worker, fast), starts the default process
+group and a `PeerMonitor`. Every wait is bounded by the job's timeout, also where
+torch's store client would hang. `Job.close` leaves the job. Nothing is process-wide:
+the job keeps its store, monitor and keys; a later job of the same processes gets
+keys of its own (a generation counter in the store).
 """
 
 from __future__ import annotations
@@ -14,22 +19,31 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import json
+import logging
+import socket
+import sys
 import threading
 import time
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from ..errors import CollectiveTimeoutError
+from ..errors import StartupError
+from .monitor import PeerMonitor
 
 _TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]
 _PrefixStore: Any = dist.PrefixStore  # type: ignore[attr-defined]
+_STORE_ERRORS = (dist.DistError, RuntimeError, OSError)
+_POLL = 0.05
+_log = logging.getLogger("mirrored")
 
-__all__ = ["Job", "JobSpec", "PeerMonitor", "current_job", "destroy_process_group",
-           "init_process_group"]
+__all__ = ["Job", "JobSpec"]
 
 _BACKENDS = ("gloo", "nccl", "auto")
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -41,10 +55,12 @@ class JobSpec:
             (NCCL when CUDA is available, else Gloo).
         rank: this worker's index, ``0 .. world_size - 1``; worker 0 hosts the store.
         world_size: the number of workers.
-        master_addr: worker 0's address.
-        master_port: the store's port on worker 0.
-        timeout_seconds: the process group's timeout (rendezvous and each collective).
+        master_addr: the store's host (worker 0's, or torchrun's agent's).
+        master_port: the store's port.
+        timeout_seconds: the start-up bound and the process group's timeout.
         failure_timeout_seconds: a peer whose heartbeat stops for this long is dead.
+        attempt: torchrun's restart count; each attempt's keys are kept apart.
+        agent_store: torchrun's agent hosts the store (every worker is a client).
 
     Raises:
         ValueError: an unknown backend, a rank outside the job, a bad port or timeout.
@@ -61,11 +77,13 @@ class JobSpec:
     master_port: int
     timeout_seconds: float = 120.0
     failure_timeout_seconds: float = 10.0
+    attempt: int = 0
+    agent_store: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}; got {self.backend!r}")
-        for name in ("rank", "world_size", "master_port"):
+        for name in ("rank", "world_size", "master_port", "attempt"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int; got {type(value).__name__} {value!r}")
@@ -82,245 +100,299 @@ class JobSpec:
         if self.backend == "auto":
             object.__setattr__(self, "backend", "nccl" if torch.cuda.is_available() else "gloo")
 
+    @property
+    def where(self) -> str:
+        """``host:port`` of the store."""
+        return f"{self.master_addr}:{self.master_port}"
 
-def _key(rank: int) -> str:
-    return f"mirrored/heartbeat/{rank}"
+    @property
+    def collective_timeout(self) -> float:
+        """The process group's own timeout: past every deadline of the communicators."""
+        return self.timeout_seconds + self.failure_timeout_seconds + 5.0
 
 
-class PeerMonitor:
-    """Beats this worker's heartbeat into the store and watches the peers' beats.
+def _bounded(make: Callable[[], T], seconds: float, what: str) -> T:
+    """``make()`` on a helper thread, given up after ``seconds`` (torch's store client
+    can block past its own timeout when the peer accepts and never answers)."""
+    box: dict[str, Any] = {}
+    done = threading.Event()
 
-    A heartbeat is ``"<count> <collectives started>"``, or ``"exit <collectives
-    started>"`` once a worker shut down cleanly. A peer whose count has not moved
-    for ``failure_timeout`` seconds is dead; if the store itself (hosted by worker
-    0) stops answering, worker 0 is dead.
+    def target() -> None:
+        try:
+            box["value"] = make()
+        except BaseException as error:  # handed to the caller
+            box["error"] = error
+        finally:
+            done.set()
 
-    Example:
-        >>> import datetime, torch.distributed as dist
-        >>> store = dist.HashStore()
-        >>> monitor = PeerMonitor(store, rank=0, world_size=1, failure_timeout=5.0)
-        >>> monitor.dead_peers(), monitor.exited_peers()
-        ([], {})
-        >>> monitor.stop()
-    """
+    threading.Thread(target=target, name="mirrored-store-connect", daemon=True).start()
+    if not done.wait(max(0.0, seconds)):
+        raise StartupError(what)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]  # type: ignore[no-any-return]
 
-    def __init__(self, store: Any, *, rank: int, world_size: int,
-                 failure_timeout: float) -> None:
-        self.rank = rank
-        self.world_size = world_size
-        self.failure_timeout = failure_timeout
-        self.interval = min(1.0, max(0.05, failure_timeout / 10))
-        self.started = 0  # collectives this worker has started (set by the communicator)
-        self._store = store
-        self._peers = [r for r in range(world_size) if r != rank]
-        now = time.monotonic()
-        self._seen: dict[int, tuple[bytes, float]] = {r: (b"", now) for r in self._peers}
-        self._progress: dict[int, int] = {}
-        self._exited: dict[int, int] = {}
-        self._dead: list[int] = []
-        self._beats = 0
-        self._armed = False  # no verdicts until every peer has joined (see arm)
-        self._stop = threading.Event()
-        self._beat()
-        self._thread = threading.Thread(target=self._run, name="mirrored-heartbeat",
-                                        daemon=True)
-        self._thread.start()
 
-    def _beat(self) -> None:
-        self._beats += 1
-        self._store.set(_key(self.rank), f"{self._beats} {self.started}")
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self._beat()
-                present = [r for r in self._peers if self._store.check([_key(r)])]
-                values = self._store.multi_get([_key(r) for r in present]) if present else []
-            except Exception:  # the store's host (worker 0) may be gone
-                if self._stop.is_set():
-                    return
-                # Verdicts go on from the heartbeats seen so far: worker 0's stops with
-                # its store (dead after the failure timeout, not at one failed call, which
-                # can be a hiccup of a loaded machine), and worker 0 may have left after
-                # noticing a death that this worker must still name.
-                self._judge(time.monotonic())
-                continue
-            now = time.monotonic()
-            for r, value in zip(present, values, strict=True):
-                head, _, started = value.partition(b" ")
-                self._progress[r] = int(started or 0)
-                if head == b"exit":
-                    self._exited[r] = int(started or 0)
-                if value != self._seen[r][0]:
-                    self._seen[r] = (value, now)
-            self._judge(now)
-
-    def _judge(self, now: float) -> None:
-        if self._armed:
-            self._dead = sorted(r for r in self._peers if r not in self._exited
-                                and now - self._seen[r][1] > self.failure_timeout)
-
-    def arm(self) -> None:
-        """Starts judging peers (call once every worker has joined the job)."""
-        now = time.monotonic()
-        self._seen = {r: (value, now) for r, (value, _) in self._seen.items()}
-        self._armed = True
-
-    def dead_peers(self) -> list[int]:
-        """The workers whose heartbeat stopped (sorted)."""
-        return list(self._dead)
-
-    def exited_peers(self) -> dict[int, int]:
-        """Workers that shut down cleanly -> how many collectives each had started."""
-        return dict(self._exited)
-
-    def progress(self) -> dict[int, int]:
-        """Each peer's count of started collectives, as last seen."""
-        return dict(self._progress)
-
-    def stop(self, *, announce: bool = True) -> None:
-        """Stops beating; with ``announce``, tells the peers this worker left cleanly."""
-        self._stop.set()
-        self._thread.join()
-        if announce:
-            with contextlib.suppress(Exception):  # the store is gone already
-                self._store.set(_key(self.rank), f"exit {self.started}")
-
-    def release(self) -> None:
-        """Drops the store client (after `stop`), so its connection closes now."""
-        self._store = None
+class _Retry(Exception):
+    """The store this worker reached belongs to a job that is ending: reconnect."""
 
 
 class Job:
-    """A started process group and its peer monitor (see `init_process_group`)."""
+    """This worker's membership in a started job (see `Job.start`). Communicators use
+    only its `JobLink` members; ``facts``: every worker's start-up facts, in order."""
 
-    def __init__(self, spec: JobSpec, store: Any, monitor: PeerMonitor) -> None:
+    def __init__(self, spec: JobSpec, store: Any, monitor: PeerMonitor,
+                 facts: dict[str, list[int]]) -> None:
         self.spec = spec
-        self.store = store
-        self.monitor = monitor
-        # Which phase of the program every worker is in: odd inside the n-th run of the
-        # strategy, even between runs. Part of every call's fingerprint, so a worker
-        # that skips a collective is caught at the next phase even when its calls look
-        # alike (collective #k of one worker never meets #k of a later run).
-        self.phase = 0
+        self.rank = spec.rank
+        self.world_size = spec.world_size
+        self.failure_timeout = spec.failure_timeout_seconds
+        self.collective_timeout = spec.collective_timeout
+        self.poll_interval = monitor.interval
+        self.facts = facts
+        self._store = store
+        self._monitor = monitor
+        self._closed = False
 
-    def next_phase(self) -> None:
-        """A ``run`` starts or ends."""
-        self.phase += 1
+    @classmethod
+    def start(cls, spec: JobSpec, facts: Mapping[str, int] | None = None) -> Job:
+        """Joins the job: returns when every worker has joined, or raises.
+
+        Args:
+            spec: the job and this worker's place in it.
+            facts: values each worker reports at start-up (``{"local replicas": 2}``);
+                the job's ``facts`` lists every worker's, for the caller to compare.
+
+        Raises:
+            StartupError: within ``timeout_seconds`` (plus a second): the store is
+                unreachable or does not answer, the port is taken, workers disagree
+                on the job's size, two workers claim one rank, or some worker did not
+                join (named in ``error.workers``).
+            RuntimeError: ``torch.distributed`` is already initialized (one job per
+                process at a time).
+
+        Example:
+            >>> import mirrored
+            >>> spec = JobSpec(backend="gloo", rank=0, world_size=1,
+            ...                master_port=mirrored.testing.find_free_port(), timeout_seconds=10)
+            >>> job = Job.start(spec, {"local replicas": 2})
+            >>> job.facts, job.gone()
+            ({'local replicas': [2]}, ([], {}))
+            >>> job.close()
+        """
+        if dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is already initialized in this process (another "
+                "MultiWorkerMirroredStrategy that is not closed, or a process group "
+                "started outside mirrored); close() that strategy or destroy that group "
+                "first")
+        facts = dict(facts or {})
+        deadline = time.monotonic() + spec.timeout_seconds
+        store, table = _join(spec, facts, deadline)
+        client = _connect(spec, deadline, host=False)
+        beat_store = _PrefixStore(f"mirrored/attempt-{spec.attempt}", client)
+        beat_store = _PrefixStore(f"job-{store.generation}", beat_store)
+        monitor = PeerMonitor(beat_store, rank=spec.rank, world_size=spec.world_size,
+                              failure_timeout=spec.failure_timeout_seconds)
+        # Gloo's own timeout outlasts the communicators' deadlines (the job's timeout)
+        # and the failure bound, so that a failed collective before it is a broken
+        # connection, and one at it a timeout: told apart by time, not by its text.
+        timeout = datetime.timedelta(seconds=spec.collective_timeout)
+        try:
+            dist.init_process_group(spec.backend, store=store.store, rank=spec.rank,
+                                    world_size=spec.world_size, timeout=timeout)
+        except dist.DistError as error:
+            monitor.stop(announce=False)
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+            raise StartupError(f"worker {spec.rank} of {spec.world_size}: the process group "
+                               f"did not start ({type(error).__name__}: {error})") from error
+        monitor.arm()
+        if spec.attempt:
+            _log.warning("worker %d of %d: the job restarted (attempt %d of torchrun)",
+                         spec.rank, spec.world_size, spec.attempt)
+        _log.info("worker %d of %d joined the job at %s (attempt %d, generation %d)",
+                  spec.rank, spec.world_size, spec.where, spec.attempt, store.generation)
+        return cls(spec, store, monitor, {k: [row[k] for row in table] for k in facts})
+
+    # ---------------------------------------------- what communicators use
+    def note_progress(self, started: int, completed: int) -> None:
+        """This worker's counts of started and completed collectives (for the peers)."""
+        self._monitor.started = started
+        self._monitor.completed = completed
+
+    def gone(self) -> tuple[list[int], dict[int, tuple[int, int, str]]]:
+        """The dead peers, and the peers that left -> (started, completed collectives,
+        the exception each left on or "")."""
+        return self._monitor.dead_peers(), self._monitor.left_peers()
+
+    def progress(self) -> dict[int, int]:
+        """Each peer's count of started collectives, as last seen."""
+        return self._monitor.progress()
+
+    def share(self, topic: str, text: str, wait_seconds: float) -> dict[int, str]:
+        """Publishes ``text`` under ``topic`` and returns every worker's (those that
+        answer within ``wait_seconds``), for error messages."""
+        texts = {self.rank: text}
+        with contextlib.suppress(Exception):
+            self._store.store.set(f"share/{topic}/{self.rank}", text)
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            with contextlib.suppress(Exception):  # a peer that does not answer
+                key = f"share/{topic}/{r}"
+                self._store.store.wait([key], datetime.timedelta(seconds=wait_seconds))
+                texts[r] = self._store.store.get(key).decode()
+        return texts
+
+    def close(self) -> None:
+        """Leaves the job: tells the peers (and, when called while an exception is
+        handled, e.g. ``except KeyboardInterrupt: strategy.close()``, that it leaves on
+        it: the peers count it as gone), destroys the process group, drops the store
+        (worker 0's listening socket closes with it); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        handling = sys.exc_info()[0]
+        self._monitor.stop(reason="" if handling is None else handling.__name__)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._store = None
+        _log.info("worker %d of %d left the job at %s", self.rank, self.world_size,
+                  self.spec.where)
+        # Exceptions of failed collectives (kept in reference cycles through their
+        # tracebacks) may still hold the process group and the store: free them now.
+        gc.collect()
 
     def __repr__(self) -> str:
         s = self.spec
         return (f"Job(backend={s.backend!r}, rank={s.rank}, world_size={s.world_size}, "
-                f"master={s.master_addr}:{s.master_port})")
+                f"master={s.where})")
 
 
-_current: Job | None = None
-_lock = threading.Lock()
-_servers: dict[tuple[str, int], Any] = {}  # worker 0's stores, kept for the next job
-_generations: dict[tuple[str, int], int] = {}
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Keys:
+    store: Any  # the job's namespace of the store
+    generation: int
+    server: Any  # worker 0's store server (None elsewhere), held by the job alone
 
 
-def init_process_group(backend: str, rank: int, world_size: int, master_addr: str,
-                       master_port: int, timeout_seconds: float = 120.0, *,
-                       failure_timeout_seconds: float = 10.0, attempt: int = 0) -> Job:
-    """Starts the default process group of a job and its peer monitor; idempotent.
-
-    Every worker calls it with the same job; it returns when all have joined (or
-    raises after ``timeout_seconds``). A second call with the same arguments
-    returns the running `Job`. The store keys of each ``attempt`` (a restart of the
-    job by torchrun) are prefixed apart: a restarted job shares torchrun's store with
-    the dead attempt's keys, and must not read them.
-
-    Raises:
-        RuntimeError: a process group is already running with other arguments, or
-            ``torch.distributed`` was initialized by someone else.
-
-    Example:
-        >>> import socket
-        >>> with socket.socket() as s:
-        ...     s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-        >>> job = init_process_group("gloo", 0, 1, "127.0.0.1", port, timeout_seconds=10)
-        >>> job.spec.world_size, current_job() is job
-        (1, True)
-        >>> destroy_process_group()
-        >>> current_job() is None
-        True
-    """
-    global _current
-    spec = JobSpec(backend=backend, rank=rank, world_size=world_size, master_addr=master_addr,
-                   master_port=master_port, timeout_seconds=timeout_seconds,
-                   failure_timeout_seconds=failure_timeout_seconds)
-    with _lock:
-        if _current is not None:
-            if _current.spec == spec:
-                return _current
-            raise RuntimeError(f"a process group is already running ({_current}); got a "
-                               f"request for {spec}. Call destroy_process_group() first")
-        if dist.is_initialized():
-            raise RuntimeError("torch.distributed is already initialized outside mirrored; "
-                               "destroy that process group first")
-        timeout = datetime.timedelta(seconds=spec.timeout_seconds)
-        # Jobs started one after the other by the same processes (a strategy closed,
-        # then a new one) share worker 0's store, which stays up: re-binding its port
-        # would race with peers still connected to the old one. Each job of the
-        # sequence has keys of its own, as each restart attempt has.
-        where = (spec.master_addr, spec.master_port)
-        generation = _generations.get(where, 0)
-        _generations[where] = generation + 1
-        prefix = f"mirrored/attempt-{attempt}/job-{generation}/"
-        if spec.rank == 0:
-            server = _servers.get(where)
-            if server is None:
-                server = _servers[where] = _TCPStore(
-                    spec.master_addr, spec.master_port, spec.world_size, is_master=True,
-                    timeout=timeout, wait_for_workers=False)
-            root = server
-        else:
-            root = _TCPStore(spec.master_addr, spec.master_port, spec.world_size,
-                             is_master=False, timeout=timeout, wait_for_workers=False)
-        store = _PrefixStore(prefix, root)
-        # A separate client for the heartbeat thread: a store call blocked there
-        # never delays a collective's store traffic, nor the other way round.
-        beat_store = _PrefixStore(prefix, _TCPStore(
-            spec.master_addr, spec.master_port, spec.world_size, is_master=False,
-            timeout=timeout, wait_for_workers=False))
-        monitor = PeerMonitor(beat_store, rank=spec.rank, world_size=spec.world_size,
-                              failure_timeout=spec.failure_timeout_seconds)
+def _connect(spec: JobSpec, deadline: float, *, host: bool) -> Any:
+    """A store server (``host``) or client at the job's address, within ``deadline``."""
+    timeout = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
+    if host:
         try:
-            dist.init_process_group(spec.backend, store=store, rank=spec.rank,
-                                    world_size=spec.world_size, timeout=timeout)
-        except BaseException as error:
-            monitor.stop(announce=False)
-            if isinstance(error, Exception) and "timeout" in str(error).lower():
-                raise CollectiveTimeoutError(
-                    f"worker {spec.rank} of {spec.world_size}: not every worker joined the job "
-                    f"within {spec.timeout_seconds:g} s (rendezvous at {spec.master_addr}:"
-                    f"{spec.master_port}); start every worker, or check MASTER_ADDR/"
-                    f"MASTER_PORT or TF_CONFIG") from error
-            raise
-        monitor.arm()
-        _current = Job(spec, store, monitor)
-        return _current
+            return _TCPStore(spec.master_addr, spec.master_port, spec.world_size,
+                             is_master=True, timeout=timeout, wait_for_workers=False)
+        except dist.DistError as error:
+            raise StartupError(
+                f"worker 0 cannot host the job's store at {spec.where}: the port is taken "
+                f"(another job or program uses it; {error}). Pick a free MASTER_PORT") from error
+    # Wait for a listener ourselves: torch's client logs an error for every retry.
+    while True:
+        try:
+            with socket.create_connection((spec.master_addr, spec.master_port),
+                                          timeout=max(0.05, min(1.0, deadline - time.monotonic()))):
+                break
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise StartupError(
+                    f"worker {spec.rank} of {spec.world_size}: nothing listens at {spec.where} "
+                    f"after {spec.timeout_seconds:g} s: worker 0 (the chief) has not started, "
+                    "or MASTER_ADDR/MASTER_PORT (or TF_CONFIG) is wrong", (0,)) from None
+            time.sleep(_POLL)
+    left = deadline - time.monotonic()
+    try:
+        return _bounded(lambda: _TCPStore(
+            spec.master_addr, spec.master_port, spec.world_size, is_master=False,
+            timeout=timeout, wait_for_workers=False), left + 1.0,
+            f"worker {spec.rank} of {spec.world_size}: a program listens at {spec.where} but "
+            f"did not answer as the job's store within {spec.timeout_seconds:g} s; another "
+            "program holds the port. Pick a free MASTER_PORT")
+    except dist.DistError as error:
+        raise StartupError(f"worker {spec.rank} of {spec.world_size}: cannot reach the job's "
+                           f"store at {spec.where} ({error})") from error
 
 
-def current_job() -> Job | None:
-    """The running `Job`, or ``None``."""
-    return _current
+def _join(spec: JobSpec, facts: dict[str, int], deadline: float
+          ) -> tuple[_Keys, list[dict[str, int]]]:
+    """Reaches the store and meets every worker in this job's namespace."""
+    base = f"mirrored/attempt-{spec.attempt}"
+    while True:
+        # Worker 0 hosts the store (unless torchrun's agent does) and, like every
+        # worker, talks to it as a client: only the job holds the server, so the
+        # port is free again when the job closes, even if something (a DDP model)
+        # keeps the process group, and with it the client, alive.
+        server = _connect(spec, deadline, host=True) if (
+            spec.rank == 0 and not spec.agent_store) else None
+        try:
+            root = _PrefixStore(base, _connect(spec, deadline, host=False))
+            if spec.rank == 0:
+                generation = int(root.add("generation", 1))
+                root.set("current", str(generation))
+            else:
+                generation = _current_generation(root, spec, deadline)
+            keys = _Keys(_PrefixStore(f"job-{generation}", root), generation, server)
+            return keys, _meet(keys.store, spec, facts, deadline)
+        except (_Retry, *_STORE_ERRORS) as error:
+            if isinstance(error, StartupError):
+                raise
+            if time.monotonic() >= deadline:
+                raise StartupError(
+                    f"worker {spec.rank} of {spec.world_size}: the job's store at "
+                    f"{spec.where} went away during start-up and did not come back within "
+                    f"{spec.timeout_seconds:g} s") from error
+            server = None  # (worker 0 rebinds on the next try)
+            time.sleep(_POLL)  # an ending job's store, or worker 0 restarting its store
 
 
-def destroy_process_group() -> None:
-    """Stops the peer monitor (announcing a clean exit) and destroys the default
-    process group; does nothing when none is running."""
-    global _current
-    with _lock:
-        job, _current = _current, None
-        if job is None:
-            return
-        job.monitor.stop()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        job.store = None  # the store (and, on worker 0, its listening socket) goes with it
-        job.monitor.release()
-    # Exceptions of failed collectives (kept in reference cycles through their
-    # tracebacks) may still hold the process group: free it now.
-    gc.collect()
+def _current_generation(root: Any, spec: JobSpec, deadline: float) -> int:
+    """The job worker 0 started last, once it is not one this rank already left."""
+    while True:
+        if root.check(["current"]):
+            generation = int(root.get("current"))
+            job = _PrefixStore(f"job-{generation}", root)
+            beat = f"heartbeat/{spec.rank}"
+            if not (job.check([beat]) and job.get(beat).startswith(b"exit")):
+                return generation
+        if time.monotonic() >= deadline:
+            raise _Retry
+        time.sleep(_POLL)
+
+
+def _meet(store: Any, spec: JobSpec, facts: dict[str, int], deadline: float
+          ) -> list[dict[str, int]]:
+    """The rendezvous: every worker's ``{"world_size": ..., **facts}``, in rank order."""
+    rank, world = spec.rank, spec.world_size
+
+    def abort(message: str, workers: tuple[int, ...] = ()) -> StartupError:
+        with contextlib.suppress(Exception):
+            store.set("abort", message)
+        return StartupError(message, workers)
+
+    if int(store.add(f"rank/{rank}", 1)) > 1:
+        raise abort(f"two workers claim rank {rank} at {spec.where}: RANK (or the TF_CONFIG "
+                    "task index) is duplicated, or a second job uses the same "
+                    "MASTER_PORT", (rank,))
+    store.set(f"join/{rank}", json.dumps({"world_size": world, **facts}))
+    joined: dict[int, dict[str, int]] = {}
+    while True:
+        if store.check(["abort"]):
+            raise StartupError(store.get("abort").decode())
+        for r in range(world):
+            if r not in joined and store.check([f"join/{r}"]):
+                joined[r] = json.loads(store.get(f"join/{r}"))
+                if joined[r]["world_size"] != world:
+                    raise abort(
+                        f"workers disagree on the job's size: worker {rank} has {world} "
+                        f"workers, worker {r} has {joined[r]['world_size']} (WORLD_SIZE or "
+                        "TF_CONFIG's cluster differ); give every worker the same", (rank, r))
+        if len(joined) == world:
+            return [joined[r] for r in range(world)]
+        if time.monotonic() >= deadline:
+            missing = tuple(r for r in range(world) if r not in joined)
+            raise StartupError(
+                f"worker {rank} of {world}: worker(s) {', '.join(map(str, missing))} did not "
+                f"join the job at {spec.where} within {spec.timeout_seconds:g} s; start every "
+                "worker, or check MASTER_ADDR/MASTER_PORT or TF_CONFIG", missing)
+        time.sleep(_POLL)

@@ -108,6 +108,9 @@ class ClusterSpec:
         attempt: which (re)start of the job this is (torchrun's
             ``TORCHELASTIC_RESTART_COUNT``): the rendezvous keys of each attempt are
             kept apart, so a restarted job never reads a dead attempt's addresses.
+        agent_store: torchrun's agent hosts the rendezvous store
+            (``TORCHELASTIC_USE_AGENT_STORE=True``): every worker connects to it as a
+            client, worker 0 included (binding its port would fail).
 
     Attributes:
         task_type: ``"chief"`` or ``"worker"`` (derived from ``worker_index`` and ``jobs``).
@@ -133,6 +136,7 @@ class ClusterSpec:
     jobs: tuple[tuple[str, tuple[str, ...]], ...] = ()
     source: Source = "explicit"
     attempt: int = 0
+    agent_store: bool = False
     task_type: Literal["chief", "worker"] = dataclasses.field(init=False)
     task_id: int = dataclasses.field(init=False)
 

@@ -102,7 +102,7 @@ def reduce(parts: Parts, reduce_op: ReduceOp | str, value: Any, axis: Any) -> An
         else:
             first = leaf.values[0] if isinstance(leaf, Mirrored) else leaf
             tensor = _detached(to_tensor(first, where, "reduce"))
-            if parts.cluster is not None:  # multi-worker: this worker's value, once
+            if topology.worker_values:  # multi-worker: this worker's value, once
                 plan = plan_components(title, op, [tensor], axes, topology.labels[:1], where)
                 partial, count = prepare(plan, tensor)
                 # The other local replicas add nothing: 0 to SUM/MEAN, the same value
@@ -132,7 +132,7 @@ def reduce(parts: Parts, reduce_op: ReduceOp | str, value: Any, axis: Any) -> An
     if jobs:
         communicator = parts.communicators.default
         counts: list[int] | None = None
-        if worker_values or any(plan.counts for _, plan, _, _ in jobs):
+        if (worker_values and op is ReduceOp.MEAN) or any(plan.counts for _, plan, _, _ in jobs):
             counts = communicator.sum_counts([list(c) for c in zip(
                 *(job[3] for job in jobs), strict=True)])
         destination = _destination(device)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import final
+from typing import Any, final
 
 from ..devices import Device
 from ..options import CommunicationImplementation, CommunicationOptions
@@ -37,6 +37,9 @@ class CommunicatorSelector:
         options: the strategy's communication options.
         wrap: builds a communicator over a `CrossDeviceOps` (local by default; the
             multi-worker strategy wraps it in a two-level one).
+        retime: ``retime(communicator, timeout_seconds)``: the communicator for a call
+            whose options carry another timeout than the strategy's (multi-worker: the
+            cross-worker waits honour a per-call timeout); ``None``: one per implementation.
 
     Raises:
         TypeError: ``explicit`` is not a `CrossDeviceOps`.
@@ -45,11 +48,13 @@ class CommunicatorSelector:
     """
 
     __slots__ = ("_all_gpus", "_cache", "_devices", "_explicit", "_lock", "_options",
-                 "_wrap", "default")
+                 "_retime", "_wrap", "default")
 
     def __init__(self, devices: Sequence[Device], explicit: CrossDeviceOps | None,
                  options: CommunicationOptions,
-                 wrap: Callable[[CrossDeviceOps], Communicator] = LocalCommunicator) -> None:
+                 wrap: Callable[[CrossDeviceOps], Communicator] = LocalCommunicator,
+                 retime: Callable[[Communicator, float | None], Communicator] | None = None
+                 ) -> None:
         if explicit is not None and not isinstance(explicit, CrossDeviceOps):
             raise TypeError("cross_device_ops must be a mirrored.CrossDeviceOps such as "
                             f"ReductionToOneDevice(); got {type(explicit).__name__}")
@@ -58,8 +63,9 @@ class CommunicatorSelector:
         self._explicit = explicit
         self._options = options
         self._wrap = wrap
+        self._retime = retime
         self._lock = threading.Lock()
-        self._cache: dict[CommunicationImplementation, Communicator] = {}
+        self._cache: dict[Any, Communicator] = {}
         self.default: Communicator = self.for_options(options)
 
     @property
@@ -77,7 +83,15 @@ class CommunicatorSelector:
                 found = self._cache.get(implementation)
                 if found is None:
                     found = self._cache[implementation] = self._wrap(self._ops(implementation))
-        return found
+        timeout = options.timeout_seconds
+        if self._retime is None or timeout == self._options.timeout_seconds:
+            return found
+        key = (implementation, timeout)
+        with self._lock:
+            retimed = self._cache.get(key)
+            if retimed is None:
+                retimed = self._cache[key] = self._retime(found, timeout)
+        return retimed
 
     def _ops(self, implementation: CommunicationImplementation) -> CrossDeviceOps:
         explicit = self._explicit

@@ -115,8 +115,10 @@ class StrategyExtended:
             value = pair[0]
             if isinstance(value, DistributedValues):
                 check_components(parts, value, f"value_destination_pairs[{index}]")
-            if topology.num_replicas_in_sync == 1 and not isinstance(value, PerReplica):
-                # With one replica every value is that replica's value.
+            one = topology.num_replicas_in_sync == 1 or (
+                topology.worker_values and topology.num_local_replicas == 1)
+            if one and not isinstance(value, PerReplica):
+                # With one (local) replica every value is that replica's value.
                 first = value.values[0] if isinstance(value, Mirrored) else value
                 pairs[index] = (PerReplica([first], topology.device_names), pair[1])
         merged = parts.options.merge(options)

@@ -13,9 +13,11 @@ from typing import final
 
 import torch
 
-from ..cluster import process_group
+from ..cluster.process_group import Job, JobSpec
 from ..cluster.resolver import ClusterResolver, default_cluster_resolver
 from ..collectives.parts import Cluster
+from ..comm.call_identity import CallLedger
+from ..comm.communicator import Communicator
 from ..comm.cross_device_ops import CrossDeviceOps, NcclAllReduce
 from ..comm.distributed import DistributedCommunicator
 from ..comm.selection import CommunicatorSelector
@@ -64,8 +66,10 @@ class MultiWorkerMirroredStrategy(Strategy):
     Failures never hang: a collective that a peer never joins raises
     `CollectiveTimeoutError` after ``communication_options.timeout_seconds``; a dead
     peer makes the survivors raise `WorkerFailureError` naming it within
-    ``failure_timeout_seconds``; a worker that skips a collective or calls another
-    one makes the others raise `CollectiveMismatchError`.
+    ``failure_timeout_seconds`` plus three heartbeat intervals (a tenth of it each, at
+    most 1 s); a worker that skips a collective or calls another one makes every
+    worker raise `CollectiveMismatchError`, naming each worker's call and its site,
+    before any data of that call is used (docs/multi_worker.md).
 
     Args:
         cluster_resolver: where this process sits in the job (default:
@@ -77,16 +81,22 @@ class MultiWorkerMirroredStrategy(Strategy):
         devices: this worker's replica devices (default: the GPU of ``LOCAL_RANK``,
             else one CPU replica). Every worker must have as many.
         failure_timeout_seconds: a peer silent for this long is dead (default 10 s).
-        check_collectives: before each cross-worker collective, compare every worker's
-            call (one small header collective; about +40 % on a 1 MiB all-reduce over
-            loopback Gloo). ``False`` saves it, but then workers that make different
-            calls are not told apart: Gloo aborts the process on a size mismatch, and
-            equal-sized different calls mix data.
+        check_collectives: compare every worker's call (which run, which collective in
+            it, the call and its site, the signature) in a header that travels with the
+            data, and use no data unless they agree (see docs/multi_worker.md for its
+            cost). ``False`` saves it, but then workers that make different calls are
+            not told apart: Gloo aborts the process on a size mismatch, and equal-sized
+            different calls mix data.
 
     Raises:
         ValueError: workers with different local replica counts (every worker raises,
             naming each worker's count), NCCL on CPU replicas, bad devices.
-        RuntimeError: a process group of another job is already running.
+        StartupError: the job did not start within ``timeout_seconds`` (120 s by
+            default) plus a second, on every worker: nothing (or something else)
+            listens at the rendezvous, workers disagree on the job's size, duplicate
+            ranks, a worker that never joins.
+        RuntimeError: another strategy's job (or a process group started outside
+            mirrored) is still running in this process: ``close()`` it first.
 
     Example:
         >>> import torch, mirrored
@@ -113,32 +123,41 @@ class MultiWorkerMirroredStrategy(Strategy):
         parsed = parse_devices(_default_devices(resolver) if devices is None else devices,
                                job="worker", task=spec.worker_index)
         backend = _backend(parsed, options)
-        job = process_group.init_process_group(
-            backend, spec.worker_index, spec.num_workers, spec.master_addr, spec.master_port,
+        job = Job.start(JobSpec(
+            backend=backend, rank=spec.worker_index, world_size=spec.num_workers,
+            master_addr=spec.master_addr, master_port=spec.master_port,
             timeout_seconds=options.timeout_seconds or 120.0,
-            failure_timeout_seconds=failure_timeout_seconds, attempt=spec.attempt)
-        topology = Topology(devices=tuple(parsed), worker_index=spec.worker_index,
-                            num_workers=spec.num_workers)
-        explicit: CrossDeviceOps | None = None
-        if backend == "nccl" and len(parsed) == 1:
-            explicit = NcclAllReduce()  # the selector's NCCL rule wants several GPUs
-
-        def wrap(ops: CrossDeviceOps) -> DistributedCommunicator:
-            return DistributedCommunicator(ops, topology, timeout_seconds=options.timeout_seconds,
-                                           job=job, check_calls=check_collectives)
-
-        selector = CommunicatorSelector(topology.devices, explicit, options, wrap=wrap)
-        comm = selector.default
-        assert isinstance(comm, DistributedCommunicator)  # built by wrap above
-        counts = comm.agree("local replicas", topology.num_local_replicas)
+            failure_timeout_seconds=failure_timeout_seconds, attempt=spec.attempt,
+            agent_store=spec.agent_store), {"local replicas": len(parsed)})
+        counts = job.facts["local replicas"]
         if len(set(counts)) > 1:
+            job.close()
             listing = ", ".join(f"worker {i}: {n}" for i, n in enumerate(counts))
             raise ValueError(f"every worker of a MultiWorkerMirroredStrategy needs the same "
                              f"number of local replicas; got {listing}. Pass devices= with "
                              "as many devices on every worker")
+        topology = Topology(devices=tuple(parsed), worker_index=spec.worker_index,
+                            num_workers=spec.num_workers, worker_values=True)
+        explicit: CrossDeviceOps | None = None
+        if backend == "nccl" and len(parsed) == 1:
+            explicit = NcclAllReduce()  # the selector's NCCL rule wants several GPUs
+        ledger = CallLedger()
+
+        def wrap(ops: CrossDeviceOps) -> DistributedCommunicator:
+            return DistributedCommunicator(ops, topology, timeout_seconds=options.timeout_seconds,
+                                           job=job, check_calls=check_collectives,
+                                           ledger=ledger)
+
+        def retime(comm: Communicator, timeout: float | None) -> Communicator:
+            assert isinstance(comm, DistributedCommunicator)  # built by wrap above
+            return comm.with_timeout(timeout)
+
+        selector = CommunicatorSelector(topology.devices, explicit, options, wrap=wrap,
+                                        retime=retime)
+        comm = selector.default
+        assert isinstance(comm, DistributedCommunicator)  # built by wrap above
         cluster = Cluster(resolver=resolver, vote=comm.any, sync=comm.broadcast_from_chief,
-                          leave=process_group.destroy_process_group,
-                          next_phase=job.next_phase)
+                          leave=job.close, next_phase=ledger.next_phase)
         runtime = ThreadRuntime(topology, type(self).__name__,
                                 timeout_seconds=options.timeout_seconds)
         super().__init__(topology=topology, runtime=runtime, communicators=selector,

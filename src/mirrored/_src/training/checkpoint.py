@@ -1,11 +1,14 @@
 """`CheckpointManager`: checkpoints of a (multi-worker) training job.
 
-The chief (worker 0, ``strategy.extended.should_checkpoint``) writes each checkpoint
-atomically (a temporary file in the same directory, flushed and fsynced, then
-renamed), and every worker waits for it (a barrier through the strategy's
-communicator), so a checkpoint that exists is complete and every worker sees it.
-`restore` loads the newest one on every worker, after the workers agree on which
-one it is, so a job that ``torchrun --max-restarts`` restarts resumes from it.
+Every worker first agrees on the step (one checked collective: a worker that is out
+of step, or that made a call the others did not, makes every worker raise before
+anything is written). Then the chief (worker 0, ``strategy.extended.should_checkpoint``)
+writes the checkpoint atomically (a temporary file in the same directory, flushed
+and fsynced, then renamed; temporary files that a killed chief left behind are
+removed), and every worker waits for it and learns whether it succeeded, so a
+checkpoint that exists is complete and every worker sees it. `restore` loads the
+newest one on every worker, after the workers agree on which one it is, so a job
+that ``torchrun --max-restarts`` restarts resumes from it.
 """
 
 from __future__ import annotations
@@ -19,15 +22,22 @@ from typing import Any
 
 import torch
 
+from ..errors import CollectiveMismatchError
+
 __all__ = ["CheckpointManager"]
 
 _NAME = re.compile(r"^ckpt-(\d+)\.pt$")
+_TMP = ".tmp-ckpt-"
 
 
-def _barrier(strategy: Any) -> None:
-    # A plain value is this worker's value in a multi-worker strategy, so reducing one
-    # is a collective every worker must reach; single-process strategies return it.
-    strategy.reduce("MAX", torch.tensor(0))
+def _spread(strategy: Any, value: int) -> tuple[int, int]:
+    """The lowest and highest ``value`` over the workers, in one collective.
+
+    A plain value is this worker's value in a multi-worker strategy, so reducing one
+    is a collective every worker must reach; single-process strategies return it.
+    """
+    both = strategy.reduce("MAX", torch.tensor([value, -value], dtype=torch.int64))
+    return -int(both[1]), int(both[0])
 
 
 def _check_objects(objects: Mapping[str, Any]) -> None:
@@ -91,38 +101,67 @@ class CheckpointManager:
         return self.directory / f"ckpt-{step:09d}.pt"
 
     def save(self, step: int, objects: Mapping[str, Any]) -> pathlib.Path:
-        """Every worker calls it; the chief writes ``objects``' state dicts as the
-        checkpoint of ``step`` (atomically) and drops the oldest beyond ``max_to_keep``;
-        returns when the checkpoint exists for every worker. Checkpoints of *later*
-        steps are dropped too: they belong to an earlier run that got further (a
-        reused directory), and ``restore`` must not prefer them to this one.
+        """Every worker calls it; once every worker agrees on ``step``, the chief writes
+        ``objects``' state dicts as the checkpoint of ``step`` (atomically) and drops
+        the oldest beyond ``max_to_keep``; returns when the checkpoint exists for every
+        worker. Checkpoints of *later* steps are dropped too: they belong to an earlier
+        run that got further (a reused directory), and ``restore`` must not prefer them
+        to this one.
 
         Raises:
             TypeError: an object without ``state_dict``/``load_state_dict``, a bad step.
+            CollectiveMismatchError: the workers passed different steps, or one made a
+                collective the others did not (on every worker; nothing is written).
+            RuntimeError: the chief failed to write (on the other workers; the chief
+                raises its own error).
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise TypeError(f"step must be an int >= 0; got {step!r}")
         _check_objects(objects)
+        low, high = _spread(self._strategy, step)
+        if low != high:
+            raise CollectiveMismatchError(
+                f"CheckpointManager.save: the workers are at different steps ({low} to "
+                f"{high}); nothing was written. Every worker must save the same step")
         target = self.path(step)
+        failure: BaseException | None = None
         if self.is_chief:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            state = {"step": step, "objects": {k: v.state_dict() for k, v in objects.items()}}
-            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-ckpt-")
             try:
-                with os.fdopen(fd, "wb") as f:
-                    torch.save(state, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, target)
-            except BaseException:
-                pathlib.Path(tmp).unlink(missing_ok=True)
-                raise
-            for later in [s for s in self.steps() if s > step]:
-                self.path(later).unlink(missing_ok=True)
-            for old in self.steps()[:-self.max_to_keep]:
-                self.path(old).unlink(missing_ok=True)
-        _barrier(self._strategy)
+                self._write(step, objects, target)
+            except BaseException as error:  # every worker hears of it below
+                failure = error
+        _, failed = _spread(self._strategy, int(failure is not None))
+        if failure is not None:
+            raise failure
+        if failed:
+            raise RuntimeError(f"the chief failed to write the checkpoint of step {step} to "
+                               f"{target}; see the chief's error")
         return target
+
+    def _write(self, step: int, objects: Mapping[str, Any], target: pathlib.Path) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._remove_partial()
+        state = {"step": step, "objects": {k: v.state_dict() for k, v in objects.items()}}
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=_TMP)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            pathlib.Path(tmp).unlink(missing_ok=True)
+            raise
+        for later in [s for s in self.steps() if s > step]:
+            self.path(later).unlink(missing_ok=True)
+        for old in self.steps()[:-self.max_to_keep]:
+            self.path(old).unlink(missing_ok=True)
+
+    def _remove_partial(self) -> None:
+        """Temporary files of writes that never finished (a chief killed mid-write)."""
+        if self.directory.is_dir():
+            for leftover in self.directory.glob(_TMP + "*"):
+                leftover.unlink(missing_ok=True)
 
     def restore(self, objects: Mapping[str, Any]) -> int | None:
         """Every worker calls it: loads the newest checkpoint into ``objects`` and
@@ -134,12 +173,11 @@ class CheckpointManager:
             KeyError: the checkpoint lacks one of ``objects``' names.
         """
         _check_objects(objects)
-        _barrier(self._strategy)  # a save still in progress elsewhere is finished
+        if self.is_chief:
+            self._remove_partial()
         steps = self.steps()
         newest = steps[-1] if steps else -1
-        mine = torch.tensor(newest, dtype=torch.int64)  # every worker's, in a job
-        low = int(self._strategy.reduce("MIN", mine).item())
-        high = int(self._strategy.reduce("MAX", mine).item())
+        low, high = _spread(self._strategy, newest)  # every worker's, in a job
         if low != high:
             raise RuntimeError(
                 f"workers see different newest checkpoints in {self.directory} (steps "

@@ -1,0 +1,140 @@
+"""`PeerMonitor`: how a worker learns that a peer died or left.
+
+Each worker beats a counter, with how many collectives it has started and completed,
+into the job's store; a peer whose counter stops moving for ``failure_timeout``
+seconds is dead. A worker that leaves (``Job.close``) writes ``exit`` with its counts,
+so the others can tell a peer that left mid-collective (gone) from one that
+finished its calls. Verdicts rest on evidence only: when the store itself (hosted by
+worker 0) stops answering, worker 0 is dead once it stayed silent for the failure
+timeout, and another peer only if its beat had already stopped for that long while
+the store still answered, never merely because its beats can no longer be read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import Any
+
+__all__ = ["PeerMonitor"]
+
+_log = logging.getLogger("mirrored")
+
+
+def _key(rank: int) -> str:
+    return f"heartbeat/{rank}"
+
+
+class PeerMonitor:
+    """Beats this worker's heartbeat into ``store`` and watches the peers' beats.
+
+    A heartbeat is ``"<count> <started> <completed>"``, or ``"exit <started>
+    <completed> <reason>"`` once a worker left (``reason``: the exception it left
+    on, e.g. ``KeyboardInterrupt``; empty for a normal departure). ``interval`` (a
+    tenth of the failure timeout, between 0.05 and 1 s) is how often it beats and looks.
+
+    Example:
+        >>> import torch.distributed as dist
+        >>> monitor = PeerMonitor(dist.HashStore(), rank=0, world_size=1, failure_timeout=5.0)
+        >>> monitor.dead_peers(), monitor.left_peers()
+        ([], {})
+        >>> monitor.stop()
+    """
+
+    def __init__(self, store: Any, *, rank: int, world_size: int,
+                 failure_timeout: float) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.failure_timeout = failure_timeout
+        self.interval = min(1.0, max(0.05, failure_timeout / 10))
+        self.started = 0  # collectives this worker has started / completed
+        self.completed = 0
+        self._store = store
+        self._peers = [r for r in range(world_size) if r != rank]
+        now = time.monotonic()
+        self._seen: dict[int, tuple[bytes, float]] = {r: (b"", now) for r in self._peers}
+        self._progress: dict[int, int] = {}
+        self._left: dict[int, tuple[int, int, str]] = {}
+        self._dead: list[int] = []
+        self._last_read = now  # when the store last answered
+        self._beats = 0
+        self._armed = False  # no verdicts until every peer has joined (see arm)
+        self._stop = threading.Event()
+        self._beat()
+        self._thread = threading.Thread(target=self._run, name="mirrored-heartbeat",
+                                        daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        self._beats += 1
+        self._store.set(_key(self.rank), f"{self._beats} {self.started} {self.completed}")
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._beat()
+                present = [r for r in self._peers if self._store.check([_key(r)])]
+                values = self._store.multi_get([_key(r) for r in present]) if present else []
+            except Exception:  # the store's host (worker 0) may be gone
+                if self._stop.is_set():
+                    return
+                self._judge(time.monotonic(), store_alive=False)
+                continue
+            now = self._last_read = time.monotonic()
+            for r, value in zip(present, values, strict=True):
+                parts = value.split(b" ")
+                head, started, completed = [*parts, b"0", b"0"][:3]
+                reason = parts[3] if len(parts) > 3 else b""
+                self._progress[r] = int(started)
+                if head == b"exit" and r not in self._left:
+                    self._left[r] = (int(started), int(completed), reason.decode())
+                    _log.info("worker %d: worker %d left the job after %s collectives%s",
+                              self.rank, r, int(completed),
+                              f" ({reason.decode()})" if reason else "")
+                if value != self._seen[r][0]:
+                    self._seen[r] = (value, now)
+            self._judge(now, store_alive=True)
+
+    def _judge(self, now: float, *, store_alive: bool) -> None:
+        if not self._armed:
+            return
+        limit = self.failure_timeout
+        # Without the store, time stops at its last answer for every peer but its host.
+        dead = sorted(r for r in self._peers if r not in self._left and (
+            (now if store_alive or r == 0 else self._last_read) - self._seen[r][1] > limit))
+        for r in set(dead) - set(self._dead):
+            _log.warning("worker %d: worker %d failed (no heartbeat for %g s)",
+                         self.rank, r, limit)
+        self._dead = dead
+
+    def arm(self) -> None:
+        """Starts judging peers (call once every worker has joined the job)."""
+        now = self._last_read = time.monotonic()
+        self._seen = {r: (value, now) for r, (value, _) in self._seen.items()}
+        self._armed = True
+
+    def dead_peers(self) -> list[int]:
+        """The workers whose heartbeat stopped (sorted)."""
+        return list(self._dead)
+
+    def left_peers(self) -> dict[int, tuple[int, int, str]]:
+        """Workers that left -> how many collectives each had started and completed,
+        and the exception it left on ("" for none)."""
+        return dict(self._left)
+
+    def progress(self) -> dict[int, int]:
+        """Each peer's count of started collectives, as last seen."""
+        return dict(self._progress)
+
+    def stop(self, *, announce: bool = True, reason: str = "") -> None:
+        """Stops beating; with ``announce``, tells the peers this worker left (on the
+        exception named by ``reason``, if any)."""
+        self._stop.set()
+        self._thread.join()
+        if announce:
+            with contextlib.suppress(Exception):  # the store is gone already
+                self._store.set(_key(self.rank),
+                                f"exit {self.started} {self.completed} {reason}".rstrip())
+        self._store = None  # its connection closes now

@@ -1,0 +1,137 @@
+"""What identifies one cross-worker collective, and what a communicator needs from
+its job.
+
+A call's identity is (its number in the strategy's sequence, which ``run`` of the
+strategy or which stretch between runs, its index within that stretch, the user's
+call and its site, the signature: op, dtypes, sizes); its hash rides in the header
+that the workers all-gather with the data. `CallLedger` keeps the counts, shared by
+a strategy's communicators, and predicts the next call's wire sizes from the calls
+seen so far (a training loop repeats itself), so that the data of a call can travel
+with its header in one round trip once the workers agreed on that prediction: see
+`DistributedCommunicator` for the protocol.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import sys
+from typing import Protocol
+
+import torch
+
+__all__ = ["CallLedger", "JobLink", "UserCall", "Wire", "identity_hash", "user_call"]
+
+Wire = tuple[tuple[str, str, int], ...]  # (kind, dtype, numel) of each data collective
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+_FRIENDLY = {"__next__": "next(distributed dataset)", "__iter__": "iter(distributed dataset)",
+             "AllReduceFunction.backward": "the backward pass of ReplicaContext.all_reduce"}
+
+
+class JobLink(Protocol):
+    """What a communicator asks of its job (`Job` implements it)."""
+
+    rank: int
+    world_size: int
+    failure_timeout: float
+    collective_timeout: float  # the process group's own timeout
+    poll_interval: float
+
+    def note_progress(self, started: int, completed: int) -> None:
+        """This worker's counts of started and completed collectives."""
+        ...
+
+    def gone(self) -> tuple[list[int], dict[int, tuple[int, int, str]]]:
+        """Dead peers, and peers that left -> (started, completed, the exception it
+        left on or "")."""
+        ...
+
+    def progress(self) -> dict[int, int]:
+        """Each peer's count of started collectives."""
+        ...
+
+    def share(self, topic: str, text: str, wait_seconds: float) -> dict[int, str]:
+        """Every worker's ``text`` for ``topic`` (for error messages)."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class UserCall:
+    """The library entry point the user called (``Strategy.reduce``) and where."""
+
+    entry: str
+    site: str
+
+    def __str__(self) -> str:
+        return f"{self.entry} at {self.site}"
+
+
+def user_call() -> UserCall:
+    """The outermost frame of this library (or torch) below the user's code, and the
+    user's ``file.py:line``, from the calling thread's stack."""
+    frame = sys._getframe(1)
+    entry = "?"
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename.startswith(_PACKAGE) or filename.startswith(_TORCH):
+            if filename.startswith(_PACKAGE):
+                entry = frame.f_code.co_qualname.lstrip("_")
+            frame = frame.f_back  # type: ignore[assignment]
+            continue
+        return UserCall(_FRIENDLY.get(entry, entry),
+                        f"{os.path.basename(filename)}:{frame.f_lineno}")
+    return UserCall(_FRIENDLY.get(entry, entry), "?")
+
+
+def identity_hash(text: str) -> int:
+    """A 62-bit hash of ``text``, stable across processes (unlike ``hash``), never 0."""
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") >> 2) or 1
+
+
+class CallLedger:
+    """A strategy's count of runs and collectives, shared by its communicators.
+
+    Example:
+        >>> ledger = CallLedger()
+        >>> ledger.next_phase(); ledger.phase_text()
+        'in run 1'
+        >>> ledger.next_phase(); ledger.phase_text()
+        'after run 1'
+    """
+
+    def __init__(self) -> None:
+        self.run = 0
+        self.in_run = False
+        self.index = 0  # collectives so far in this phase
+        self.seq = 0  # collectives so far
+        self.completed = 0
+        self.broken: str | None = None  # set once workers may be out of step
+        self.agreed: Wire | None = None  # the wire sizes every worker predicted
+        self.predicted: Wire | None = None  # this worker's guess for the next call
+        self._next: dict[str, Wire] = {}  # call key -> wire sizes of the call after it
+        self._last: str | None = None
+
+    def next_phase(self) -> None:
+        """A ``run`` starts or ends."""
+        if not self.in_run:
+            self.run += 1
+        self.in_run = not self.in_run
+        self.index = 0
+
+    def phase_text(self) -> str:
+        if self.in_run:
+            return f"in run {self.run}"
+        return f"after run {self.run}" if self.run else "before the first run"
+
+    def enter(self, key: str, wire: Wire) -> tuple[int, Wire | None]:
+        """A call starts: its number, and the predicted wire sizes of the next one."""
+        self.seq += 1
+        self.index += 1
+        if self._last is not None:
+            self._next[self._last] = wire
+        self._last = key
+        self.predicted = self._next.get(key)
+        return self.seq, self.predicted

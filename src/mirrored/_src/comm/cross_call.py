@@ -1,0 +1,148 @@
+"""`CrossWorkerCalls`: one checked call across workers, the protocol that
+`DistributedCommunicator` (see its module) runs for every collective: the call's
+identity, the trailer inside the data or the header beside it, the prediction of
+the next call's sizes, and the waits (through a `CallWatch`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..devices import Device
+from ..topology import Topology
+from . import trailer
+from .call_identity import CallLedger, JobLink, Wire, identity_hash, user_call
+from .watch import CallWatch, short
+
+__all__ = ["GATHER", "HEAD", "CrossWorkerCalls"]
+
+_DIST_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+HEAD = 5  # identity, prediction, miss, flag, value; then one size per local replica
+GATHER: Wire = (("gather", "", 0),)  # sizes known only from the header
+
+
+class CrossWorkerCalls:
+    """Runs checked calls for one communicator (see `call`).
+
+    Example:
+        >>> CrossWorkerCalls.__name__
+        'CrossWorkerCalls'
+    """
+
+    def __init__(self, group: Any, ledger: CallLedger, watch: CallWatch, job: JobLink | None,
+                 check: bool, topology: Topology, wire: Device) -> None:
+        self._group = group
+        self._ledger = ledger
+        self.watch = watch
+        self._job = job
+        self._check = check
+        self._world = topology.num_workers
+        self._local_replicas = topology.num_local_replicas
+        self._wire = wire
+
+    def call(self, what: str, wire: Wire, data: list[torch.Tensor], *, flag: int = 0,
+              value: int = 0, sizes: Sequence[int] = ()) -> list[list[int]]:
+        """One checked cross-worker call (see the module's docstring): launches
+        ``data``'s collectives (kinds and sizes in ``wire``) with the header and returns
+        the header table (one row per worker) once every identity agrees."""
+        ledger = self._ledger
+        if ledger.broken is not None:
+            raise RuntimeError(f"this strategy's cross-worker communication is unusable after "
+                               f"an earlier failure ({ledger.broken}); restart the job")
+        who = user_call()
+        key = f"{ledger.in_run}|{who}|{what}|{wire}"
+        index = ledger.index + 1
+        seq, prediction = ledger.enter(key, wire)
+        text = (f"{who.entry}({short(what)}) at {who.site} (collective {index} "
+                f"{ledger.phase_text()})")
+        if self._job is not None:
+            self._job.note_progress(seq, seq - 1)
+            self.watch.fail_if_gone(seq, text)
+        check = self._check
+        ident = identity_hash(f"{seq}|{ledger.run}|{index}|{key}") if check else 0
+        predicted = identity_hash(repr(prediction)) if check and prediction else 0
+        row = [ident, predicted, 0, flag, value, *sizes]
+        row += [0] * (HEAD + self._local_replicas - len(row))
+        agreed, ledger.agreed = ledger.agreed, None
+        if not check and wire and wire != GATHER:
+            self.watch.wait(self._launch(wire, data), seq, text)  # unchecked: the data only
+            self._done(seq)
+            return []
+        if agreed is not None and agreed != GATHER:
+            inside = self._trailer_length(agreed)  # the check rides in the data
+            if agreed == wire:  # header and data together
+                if inside:
+                    trailer.encode(data[0][-inside:], wire[0][0], self._world,
+                                   (ident, predicted, 0))
+                    self.watch.wait(self._launch(wire, data), seq, text)
+                    (same, guess, miss), _ = trailer.decode(data[0][-inside:], wire[0][0],
+                                                            self._world)
+                    if miss == 0:
+                        if same is None:
+                            self.watch.mismatch(seq, text)
+                        ledger.agreed = ledger.predicted if guess == predicted != 0 else None
+                        self._done(seq)
+                        return []
+                else:
+                    table = self._round(row, self._launch(wire, data), seq, text)
+                    if not any(r[2] for r in table):
+                        return self._verified(table, seq, text)
+            else:  # zeros of the agreed sizes, so that every worker sends what it expects
+                dummy = [torch.zeros(n, dtype=getattr(torch, d.removeprefix("torch.")),
+                                     device=self._wire.torch_device) for _, d, n in agreed]
+                if inside:
+                    trailer.encode(dummy[0][-inside:], agreed[0][0], self._world,
+                                   (ident, 0, 1))
+                    self.watch.wait(self._launch(agreed, dummy), seq, text)
+                else:
+                    self._round([*row[:2], 1, *row[3:]], self._launch(agreed, dummy), seq,
+                                text)
+        table = self._verified(self._round(row, [], seq, text), seq, text)
+        if wire != GATHER and data:
+            self.watch.wait(self._launch(wire, data), seq, text)
+        return table
+
+    def _trailer_length(self, wire: Wire) -> int:
+        """The trailer a call of these wire sizes carries in its first pack (0: none)."""
+        if not wire or wire[0][0] not in ("sum", "min", "max"):
+            return 0
+        dtype = getattr(torch, wire[0][1].removeprefix("torch."))
+        return trailer.length(wire[0][0], dtype, self._world)
+
+    def _done(self, seq: int) -> None:
+        self._ledger.completed = seq
+        if self._job is not None:
+            self._job.note_progress(seq, seq)
+
+    def _launch(self, wire: Wire, data: Sequence[torch.Tensor]) -> list[Any]:
+        works = []
+        for (kind, _, _), buffer in zip(wire, data, strict=True):
+            if kind == "broadcast":
+                works.append(dist.broadcast(buffer, src=0, group=self._group, async_op=True))
+            else:
+                works.append(dist.all_reduce(buffer, op=_DIST_OPS[kind], group=self._group,
+                                             async_op=True))
+        return works
+
+    def _round(self, row: list[int], works: list[Any], seq: int, text: str
+               ) -> list[list[int]]:
+        """All-gathers ``row`` (before ``works``' results are awaited) -> the table."""
+        header = torch.tensor(row, dtype=torch.int64, device=self._wire.torch_device)
+        rows = [torch.empty_like(header) for _ in range(self._world)]
+        gathered = dist.all_gather(rows, header, group=self._group, async_op=True)
+        self.watch.wait([gathered, *works], seq, text)
+        table: list[list[int]] = torch.stack(rows).tolist()
+        return table
+
+    def _verified(self, table: list[list[int]], seq: int, text: str) -> list[list[int]]:
+        ledger = self._ledger
+        if any(r[0] != table[0][0] for r in table):
+            self.watch.mismatch(seq, text)
+        if all(r[1] == table[0][1] for r in table) and table[0][1]:
+            ledger.agreed = ledger.predicted
+        self._done(seq)
+        return table
+

@@ -1,0 +1,136 @@
+"""`CallWatch`: how a communicator waits for a cross-worker collective, and what it
+raises: every wait is bounded by the call's timeout and watched through the job
+(`JobLink`) for dead peers and peers that left; a call whose workers disagree is a
+`CollectiveMismatchError` listing each worker's call. After any of these the
+strategy's calls are refused (its `CallLedger` is marked broken)."""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Any, NoReturn
+
+from ..errors import CollectiveMismatchError, CollectiveTimeoutError, WorkerFailureError
+from .call_identity import CallLedger, JobLink
+
+__all__ = ["CallWatch", "short"]
+
+
+def short(text: str, limit: int = 160) -> str:
+    """``text``, cut to ``limit`` characters for a message."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+class CallWatch:
+    """Waits and failures of one communicator (``timeout``: its collective timeout).
+
+    Example:
+        >>> watch = CallWatch(None, CallLedger(), 0, None)
+        >>> watch.wait([], 1, "nothing")
+    """
+
+    def __init__(self, job: JobLink | None, ledger: CallLedger, me: int,
+                 timeout: float | None) -> None:
+        self._job = job
+        self._ledger = ledger
+        self._me = me
+        self._timeout = timeout
+
+    def wait(self, works: list[Any], seq: int, text: str) -> None:
+        """Waits for ``works``, bounded by the timeout and watched through the job."""
+        start = time.monotonic()
+        deadline = None if self._timeout is None else start + self._timeout
+        poll = self._job.poll_interval if self._job is not None else 1.0
+        for work in works:
+            while True:
+                now = time.monotonic()
+                left = poll if deadline is None else min(poll, deadline - now)
+                try:  # the wait itself sleeps in C++, without the GIL: no wake-up latency
+                    # (at least 1 ms: torch reads a 0 ms timeout as "no timeout")
+                    if work.wait(datetime.timedelta(seconds=max(0.001, left))) is not False:
+                        break  # (Gloo's wait returns False at the end of the poll)
+                except RuntimeError as error:  # Gloo: "timed out" at the end of each poll
+                    if work.is_completed():  # a real failure, not the end of one poll
+                        self._broken_link(error, seq, text, time.monotonic() - start)
+                if self._job is not None:
+                    self.fail_if_gone(seq, text)
+                if deadline is not None and time.monotonic() >= deadline:
+                    self.fail(CollectiveTimeoutError(
+                        f"worker {self._me} waited {self._timeout:g} s in "
+                        f"{text} (collective #{seq}) for peers that never joined"
+                        f"{self._progress_text()}"))
+
+    def _broken_link(self, error: RuntimeError, seq: int, text: str, waited: float
+                     ) -> NoReturn:
+        """A collective failed in the process group. At the group's own timeout (longer
+        than the job's, so only a longer per-call timeout or none meets it) that is a
+        timeout; before it, a peer's connection broke, and the job's monitor says who,
+        within its bound."""
+        limit = self._job.collective_timeout if self._job is not None else None
+        if limit is not None and waited >= limit - 0.5:
+            self.fail(CollectiveTimeoutError(
+                f"worker {self._me} waited {waited:.0f} s in {text} "
+                f"(collective #{seq}): the process group's timeout{self._progress_text()}"),
+                error)
+        if self._job is not None:
+            # The monitor names the dead peer within its bound; a loaded machine may
+            # delay its thread, so the nameless error waits 2 s more than the bound.
+            give_up = (time.monotonic() + self._job.failure_timeout
+                       + 3 * self._job.poll_interval + 2.0)
+            while time.monotonic() < give_up:
+                self.fail_if_gone(seq, text, cause=error)
+                time.sleep(self._job.poll_interval / 2)
+        self.fail(WorkerFailureError(
+            f"{text} (collective #{seq}) failed on worker {self._me}: the "
+            f"process group failed ({type(error).__name__}: {short(str(error), 300)})"), error)
+
+    def fail_if_gone(self, seq: int, text: str, cause: BaseException | None = None) -> None:
+        assert self._job is not None  # callers check; not user input
+        dead, left = self._job.gone()
+        me = self._me
+        if dead:
+            names = ", ".join(str(r) for r in dead)
+            self.fail(WorkerFailureError(
+                f"worker {names} failed (no heartbeat for {self._job.failure_timeout:g} s) "
+                f"while worker {me} was in {text} (collective #{seq})", tuple(dead)), cause)
+        # Gone: left on an exception (Ctrl-C), or inside a collective it never finished.
+        during = {r: reason for r, (started, done, reason) in left.items()
+                  if done < seq and (reason or seq <= started)}
+        if during:
+            names = ", ".join(str(r) for r in sorted(during))
+            why = "; ".join(f"worker {r} on {reason}" if reason else
+                            f"worker {r} inside collective #{left[r][0]}"
+                            for r, reason in sorted(during.items()))
+            self.fail(WorkerFailureError(
+                f"worker {names} left the job ({why}) while worker {me} was in {text} "
+                f"(collective #{seq})", tuple(sorted(during))), cause)
+        skipped = {r: done for r, (started, done, _) in left.items() if started < seq}
+        if skipped:
+            listing = "; ".join(f"worker {r} left after {n} collectives"
+                                for r, n in sorted(skipped.items()))
+            self.fail(CollectiveMismatchError(
+                f"{listing}, but worker {me} called {text} as collective #{seq}: a worker "
+                "skipped a collective the others made"), cause)
+
+    def mismatch(self, seq: int, text: str) -> NoReturn:
+        calls = {self._me: text}
+        if self._job is not None:  # ask every worker what it called (only on mismatch)
+            calls = self._job.share(f"call-{seq}", text, 2.0)
+        listing = "; ".join(f"worker {r}: {c}" for r, c in sorted(calls.items()))
+        self.fail(CollectiveMismatchError(
+            f"workers made different calls as collective #{seq} (a different call, site, "
+            f"op, shape or dtype, or a worker skipped or added a call); no data of it was "
+            f"used: {listing}"))
+
+    def _progress_text(self) -> str:
+        progress = self._job.progress() if self._job is not None else {}
+        if not progress:
+            return ""
+        return "; peers' collectives started so far: " + ", ".join(
+            f"worker {r}: {n}" for r, n in sorted(progress.items()))
+
+    def fail(self, error: Exception, cause: BaseException | None = None) -> NoReturn:
+        """Marks the strategy's calls broken and raises ``error``."""
+        self._ledger.broken = f"{type(error).__name__}: {short(str(error), 300)}"
+        raise error from cause
+

@@ -1,0 +1,78 @@
+"""The call check's arithmetic, against plain Python: trailers combined the way the
+all-reduce combines them tell equal numbers from different ones exactly."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mirrored._src.comm import trailer
+from mirrored._src.comm.call_identity import CallLedger, identity_hash
+
+_COMBINE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
+_HASH = st.integers(min_value=0, max_value=2**62 - 1)
+
+
+def _combined(kind: str, dtype: torch.dtype, rows: list[tuple[int, int, int]]) -> torch.Tensor:
+    n = trailer.length(kind, dtype, len(rows))
+    assert n > 0
+    parts = []
+    for values in rows:
+        out = torch.zeros(n, dtype=dtype)
+        trailer.encode(out, kind, len(rows), values)
+        parts.append(out)
+    return functools.reduce(_COMBINE[kind], parts)
+
+
+@settings(max_examples=60, deadline=None)
+@given(kind=st.sampled_from(["sum", "max", "min"]),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.int32, torch.int64]),
+       workers=st.integers(min_value=2, max_value=16), ident=_HASH, other=_HASH,
+       odd=st.integers(min_value=0, max_value=15), predicted=_HASH)
+def test_equal_identities_decode_and_any_difference_is_seen(kind, dtype, workers, ident,
+                                                            other, odd, predicted):
+    rows = [(ident, predicted, 0)] * workers
+    (same, guess, miss), ok = trailer.decode(_combined(kind, dtype, rows), kind, workers)
+    assert ok and (same, guess, miss) == (ident, predicted, 0)
+    if other != ident:
+        rows = list(rows)
+        rows[odd % workers] = (other, predicted, 0)
+        (same, guess, miss), ok = trailer.decode(_combined(kind, dtype, rows), kind, workers)
+        assert same is None and not ok and guess == predicted and miss == 0
+    rows = list(rows)
+    rows[odd % workers] = (ident, predicted, 1)  # one worker sent zeros of other sizes
+    (_, _, miss), _ = trailer.decode(_combined(kind, dtype, rows), kind, workers)
+    assert miss != 0
+
+
+def test_packs_that_cannot_carry_a_trailer_say_so():
+    assert trailer.length("sum", torch.float16, 2) == 0
+    assert trailer.length("sum", torch.bool, 2) == 0
+    assert trailer.length("broadcast", torch.float32, 2) == 0
+    assert trailer.length("sum", torch.float32, 2) == 30  # 15 pairs: 1 of 120 bytes
+
+
+def test_the_ledger_counts_runs_and_predicts_the_next_call():
+    ledger = CallLedger()
+    wire_a = (("sum", "torch.float32", 33),)
+    wire_b = (("max", "torch.int64", 31),)
+    for _ in range(2):  # a loop: a then b, again and again
+        ledger.next_phase()
+        ledger.enter("a", wire_a)
+        ledger.next_phase()
+        ledger.enter("b", wire_b)
+    assert ledger.run == 2 and ledger.phase_text() == "after run 2"
+    assert ledger.enter("a", wire_a) == (5, wire_b)
+    assert identity_hash("x") != identity_hash("y") and identity_hash("x") > 0
+
+
+@pytest.mark.parametrize("workers", [2, 3, 64])
+def test_sum_chunks_stay_exact_in_float32(workers):
+    rows = [(2**62 - 1, 2**61 + 12345, 0)] * workers
+    (same, guess, _), ok = trailer.decode(_combined("sum", torch.float32, rows), "sum",
+                                             workers)
+    assert ok and same == 2**62 - 1 and guess == 2**61 + 12345

@@ -17,7 +17,10 @@ Strategy level (``MultiWorkerMirroredStrategy``, one CPU replica per worker):
     Target: >= 10x faster.
 (f) digits-like training (8x8 images, batch 64 per worker, SGD), a CNN and an MLP,
     default settings, examples/s against ``DistributedDataParallel`` on the same 2
-    processes. Target: >= 1.0x (aim 1.2x).
+    processes. Target: >= 1.0x (aim 1.2x). With ``mirror_optimizer(overlap=False)``
+    too, and the share of the bucket communication that ran during backward
+    (``--training``: this part only, in rounds, with a wide MLP of 12.6 MiB of
+    gradients, the size where overlap has something to hide).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import multiprocessing
 import socket
 import statistics
 import time
+from typing import Any
 from collections.abc import Callable
 
 import torch
@@ -67,6 +71,15 @@ def _mlp() -> torch.nn.Module:
                                torch.nn.Linear(256, 10))
 
 
+def _wide() -> torch.nn.Module:
+    """An MLP with 12.6 MiB of gradients (3 buckets of the default 4 MiB)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 1024), torch.nn.ReLU(),
+                               *(m for _ in range(3) for m in (torch.nn.Linear(1024, 1024),
+                                                               torch.nn.ReLU())),
+                               torch.nn.Linear(1024, 10))
+
+
 def _strategy_figures(strategy: mirrored.Strategy, quick: bool, results: dict[str, float]
                       ) -> None:
     repeats = 5 if quick else 15
@@ -104,33 +117,58 @@ def _training_figures(strategy: mirrored.Strategy, quick: bool, results: dict[st
             ddp_opt.step()
             ddp_opt.zero_grad()
 
-    model = strategy.mirror(make())
-    opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.01))
+    def mirrored_epoch_fn(overlap: bool | None) -> tuple[Callable[[], None], Any]:
+        model = strategy.mirror(make())
+        opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.01),
+                                        overlap=overlap)
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        loss = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
-        mirrored.compute_average_loss(loss, global_batch_size=2 * batch).backward()
-        opt.step()
-        opt.zero_grad()
+        def step(x: torch.Tensor, y: torch.Tensor) -> None:
+            loss = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+            mirrored.compute_average_loss(loss, global_batch_size=2 * batch).backward()
+            opt.step()
+            opt.zero_grad()
 
-    def mirrored_epoch() -> None:
-        for x, y in data:
-            strategy.run(step, args=(x, y))
+        def epoch() -> None:
+            for x, y in data:
+                strategy.run(step, args=(x, y))
+        return epoch, opt
 
-    ddp_times, mirrored_times = [], []
-    for _ in range(3 if quick else 5):  # interleaved: noise hits both alike
-        ddp_times.append(_time(ddp_epoch, 1))
-        mirrored_times.append(_time(mirrored_epoch, 1))
-    results[f"{key}_ddp"] = 2 * batch * steps / statistics.median(ddp_times)
-    results[f"{key}_mirrored"] = 2 * batch * steps / statistics.median(mirrored_times)
+    mirrored_epoch, opt = mirrored_epoch_fn(None)  # the default: overlap across workers
+    plain_epoch, _ = mirrored_epoch_fn(False)
+    times: dict[str, list[float]] = {"ddp": [], "mirrored": [], "no_overlap": []}
+    for _ in range(3 if quick else 5):  # interleaved: noise hits all alike
+        times["ddp"].append(_time(ddp_epoch, 1))
+        times["mirrored"].append(_time(mirrored_epoch, 1))
+        times["no_overlap"].append(_time(plain_epoch, 1))
+    for name, samples in times.items():
+        results[f"{key}_{name}"] = 2 * batch * steps / statistics.median(samples)
+    ratios = [d / m for d, m in zip(times["ddp"], times["mirrored"], strict=True)]
+    results[f"{key}_ratio_lo"], results[f"{key}_ratio_hi"] = min(ratios), max(ratios)
+    buckets = opt._reducer.buckets  # noqa: SLF001
+    if buckets is not None and buckets.stats["comm_s"]:
+        results[f"{key}_hidden"] = buckets.stats["hidden_s"] / buckets.stats["comm_s"]
+        results[f"{key}_buckets"] = len(buckets.plan)
 
 
-def _worker(rank: int, port: int, quick: bool, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+def _worker(rank: int, port: int, quick: bool, training: bool,
+            out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
     torch.set_num_threads(1)
     resolver = mirrored.cluster_resolver.SimpleClusterResolver(
         num_workers=2, worker_index=rank, master_port=port)
     strategy = mirrored.MultiWorkerMirroredStrategy(
         resolver, CommunicationOptions(timeout_seconds=60), devices=["CPU:0"])
+    if training:  # (f) only
+        results_f: dict[str, float] = {"rounds": 2 if quick else 3}
+        for i in range(int(results_f["rounds"])):  # rounds: CNN and MLP interleaved
+            round_: dict[str, float] = {}
+            _training_figures(strategy, quick, round_, "train")
+            _training_figures(strategy, quick, round_, "train_mlp", make=_mlp)
+            _training_figures(strategy, quick, round_, "train_wide", make=_wide)
+            results_f.update({f"{k}#{i}": v for k, v in round_.items()})
+        strategy.close()
+        if rank == 0:
+            out.put(results_f)
+        return
     topology = Topology(devices=parse_devices(["CPU:0"]), worker_index=rank, num_workers=2)
     local = mirrored.ReductionToOneDevice()
     checked = DistributedCommunicator(local, topology, timeout_seconds=60)
@@ -173,13 +211,17 @@ def _worker(rank: int, port: int, quick: bool, out: multiprocessing.Queue) -> No
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats")
+    parser.add_argument("--training", action="store_true",
+                        help="(f) only, in rounds: DDP, mirrored (default: overlap), "
+                             "mirrored with overlap=False")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, args.quick, out)) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(r, port, args.quick, args.training, out))
+             for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -189,6 +231,9 @@ def main() -> None:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+    if args.training:
+        _print_training(r)
+        return
     size = "16 MiB" if args.quick else "64 MiB"
     print(f"(a) {size} all_reduce: communicator {r['big_comm'] * 1e3:.1f} ms, raw "
           f"{r['big_raw'] * 1e3:.1f} ms: {r['big_comm'] / r['big_raw']:.2f}x (target <= 1.1x)")
@@ -214,6 +259,35 @@ def main() -> None:
     print(f"(g) the same with check_collectives=False: mirrored {r['train_unchecked_mirrored']:.0f}"
           f" examples/s, DDP {r['train_unchecked_ddp']:.0f} examples/s: "
           f"{r['train_unchecked_mirrored'] / r['train_unchecked_ddp']:.2f}x (no target)")
+
+    _print_overlap(r, "train", "CNN")
+    _print_overlap(r, "train_mlp", "MLP")
+
+
+def _print_overlap(r: dict[str, float], key: str, name: str) -> None:
+    hidden = r.get(f"{key}_hidden")
+    print(f"    {name}: overlap=False {r[f'{key}_no_overlap'] / r[f'{key}_ddp']:.2f}x DDP; "
+          f"per-epoch ratios with overlap {r[f'{key}_ratio_lo']:.2f}-"
+          f"{r[f'{key}_ratio_hi']:.2f}x; "
+          + (f"{hidden:.0%} of the bucket communication ran during backward "
+             f"({r[f'{key}_buckets']:.0f} buckets)" if hidden is not None else "no buckets"))
+
+
+def _print_training(r: dict[str, float]) -> None:
+    rounds = int(r["rounds"])
+    for key, name in (("train", "digits CNN"), ("train_mlp", "digits MLP"),
+                      ("train_wide", "wide MLP (12.6 MiB of gradients)")):
+        on = [r[f"{key}_mirrored#{i}"] / r[f"{key}_ddp#{i}"] for i in range(rounds)]
+        off = [r[f"{key}_no_overlap#{i}"] / r[f"{key}_ddp#{i}"] for i in range(rounds)]
+        hidden = [r[f"{key}_hidden#{i}"] for i in range(rounds) if f"{key}_hidden#{i}" in r]
+        where = (f"{r[f'{key}_buckets#0']:.0f} buckets, {min(hidden):.0%}-{max(hidden):.0%} "
+                 "of the early buckets' communication during backward" if hidden else
+                 "one bucket: sent at the step, as with overlap=False")
+        print(f"(f) {name}, {rounds} rounds (each the median of interleaved epochs): "
+              f"default {min(on):.2f}-{max(on):.2f}x DDP "
+              f"({', '.join(f'{v:.2f}' for v in on)}); overlap=False "
+              f"{min(off):.2f}-{max(off):.2f}x ({', '.join(f'{v:.2f}' for v in off)}); "
+              f"{where}")
 
 
 if __name__ == "__main__":

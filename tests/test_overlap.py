@@ -81,7 +81,7 @@ def train(strategy: mirrored.Strategy, overlap: bool, *, dtype: torch.dtype = to
         opt.zero_grad()
 
     data = batches(steps, n * 2, dtype)
-    local = strategy.extended._parts.topology
+    local = strategy.extended._parts.topology  # which rows are ours
     first = local.worker_index * local.num_local_replicas
     for index, rows in enumerate(data):
         args = [mirrored.PerReplica([rows[(first + r) * 2 + a]
@@ -162,7 +162,7 @@ def test_overlap_is_checked() -> None:
         strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1),
                                   overlap="yes")  # type: ignore[arg-type]
     auto = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
-    assert auto._reducer.buckets is None
+    assert auto._reducer.buckets is None  # in-process: off by default
     strategy.close()
 
 
@@ -189,12 +189,19 @@ def _worker_train(local: int) -> list[list[torch.Tensor]]:
                 assert (buckets is not None) is overlap
                 if buckets is not None:
                     assert buckets.armed and len(buckets.plan) > 2
+                    assert type(buckets._sum).__name__ == "DistributedCommunicator"
+                    # Steps 2-5 launch all buckets but the last in backward; with
+                    # ACCUMULATE, steps 2 and 3 (then stale), not 4 and 5 (launched at
+                    # the step after a step with two backward passes).
+                    early = (len(buckets.plan) - 1) * (2 if case is ACCUMULATE else 4)
+                    assert buckets.stats["early"] == early, buckets.stats
                 out.append(params)
         return out
     finally:
         strategy.close()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("local", [1, 2])
 def test_overlap_is_bitwise_the_same_across_workers(local: int) -> None:
@@ -204,3 +211,38 @@ def test_overlap_is_bitwise_the_same_across_workers(local: int) -> None:
             assert_bitwise(worker[k], worker[k + 1])
     assert_bitwise(results[0][1], results[1][1])
 
+
+def _worker_mismatch() -> str:
+    overlap_module.DEFAULT_BUCKET_BYTES = 1024
+    strategy = mirrored.MultiWorkerMirroredStrategy(
+        communication_options=CommunicationOptions(timeout_seconds=20), devices=["CPU:0"])
+    worker = strategy.cluster_resolver.worker_index
+    model = strategy.mirror(Net(torch.float32))
+    opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1), overlap=True)
+    assert opt._reducer.buckets is not None
+    assert type(opt._reducer.buckets._sum).__name__ == "DistributedCommunicator"
+
+    def step(extra: bool) -> None:
+        if extra:  # worker 1 only: a collective worker 0 does not make
+            mirrored.get_replica_context().all_reduce("SUM", torch.ones(3))
+        mirrored.compute_average_loss(model(torch.ones(4, 6)).sum(1), global_batch_size=8).backward()
+        opt.step()
+        opt.zero_grad()
+
+    try:
+        for index in range(4):
+            strategy.run(step, args=(worker == 1 and index == 3,))
+        return "no error"
+    except Exception as error:  # noqa: BLE001 (the test reads the type and message)
+        return f"{type(error).__name__}: {error}"
+    finally:
+        strategy.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_a_call_that_meets_a_launched_bucket_is_a_mismatch_and_its_data_unused() -> None:
+    results = mirrored.testing.run_multi_process(_worker_mismatch, 2, timeout=150)
+    assert results[0].startswith("CollectiveMismatchError"), results[0]
+    assert "gradient bucket 1 of" in results[0] and "launched in backward" in results[0]
+    assert results[1] != "no error", results[1]

@@ -17,7 +17,7 @@ from . import trailer
 from .call_identity import CallLedger, JobLink, Wire, identity_hash, user_call
 from .watch import CallWatch, short
 
-__all__ = ["GATHER", "HEAD", "CrossWorkerCalls"]
+__all__ = ["GATHER", "HEAD", "CrossWorkerCalls", "PendingCall"]
 
 _DIST_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 HEAD = 5  # identity, prediction, miss, flag, value; then one size per local replica
@@ -105,6 +105,47 @@ class CrossWorkerCalls:
             self.watch.wait(self._launch(wire, data), seq, text)
         return table
 
+    def launch(self, what: str, wire: Wire, data: list[torch.Tensor]) -> PendingCall:
+        """Starts one checked call whose sizes are known to match the peers' (a
+        gradient bucket after its plan's first, fully checked step) without waiting:
+        its identity rides in the trailer of ``data[0]`` (its last elements, when the
+        check is on); `finish` waits and checks. The identity names ``what`` and no
+        call site (one worker may launch a bucket in backward, another at the step)."""
+        ledger = self._ledger
+        if ledger.broken is not None:
+            raise RuntimeError(f"this strategy's cross-worker communication is unusable after "
+                               f"an earlier failure ({ledger.broken}); restart the job")
+        key = f"{ledger.in_run}|{what}|{wire}"
+        index = ledger.index + 1
+        seq, prediction = ledger.enter(key, wire)
+        ledger.agreed = None  # this call's sizes were agreed another way
+        text = f"{short(what)} (collective {index} {ledger.phase_text()})"
+        if self._job is not None:
+            self._job.note_progress(seq, seq - 1)
+            self.watch.fail_if_gone(seq, text)
+        inside = self._trailer_length(wire) if self._check else 0
+        predicted = 0
+        if inside:
+            ident = identity_hash(f"{seq}|{ledger.run}|{index}|{key}")
+            predicted = identity_hash(repr(prediction)) if prediction else 0
+            trailer.encode(data[0][-inside:], wire[0][0], self._world, (ident, predicted, 0))
+        return PendingCall(self._launch(wire, data), data[0], wire[0][0], inside, seq, text,
+                           predicted)
+
+    def finish(self, pending: PendingCall) -> None:
+        """Waits for a `launch`ed call; raises `CollectiveMismatchError` (its data
+        unused) unless every worker made the same call."""
+        self.watch.wait(pending.works, pending.seq, pending.text)
+        ledger = self._ledger
+        if pending.inside:
+            (same, guess, miss), _ = trailer.decode(pending.buffer[-pending.inside:],
+                                                    pending.kind, self._world)
+            if same is None or miss != 0:
+                self.watch.mismatch(pending.seq, pending.text)
+            if pending.seq == ledger.seq:  # the latest call: its prediction may stand
+                ledger.agreed = ledger.predicted if guess == pending.predicted != 0 else None
+        self._done(pending.seq)
+
     def _trailer_length(self, wire: Wire) -> int:
         """The trailer a call of these wire sizes carries in its first pack (0: none)."""
         if not wire or wire[0][0] not in ("sum", "min", "max"):
@@ -146,3 +187,14 @@ class CrossWorkerCalls:
         self._done(seq)
         return table
 
+
+class PendingCall:
+    """A `CrossWorkerCalls.launch`ed call: its collectives (``works``), the buffer whose
+    last ``inside`` elements are the trailer, and the call's number and name."""
+
+    __slots__ = ("buffer", "inside", "kind", "predicted", "seq", "text", "works")
+
+    def __init__(self, works: list[Any], buffer: torch.Tensor, kind: str, inside: int,
+                 seq: int, text: str, predicted: int) -> None:
+        self.works, self.buffer, self.kind, self.inside = works, buffer, kind, inside
+        self.seq, self.text, self.predicted = seq, text, predicted

@@ -37,12 +37,12 @@ from ..topology import Topology
 from . import packing, trailer
 from .buffers import default_pool
 from .call_identity import CallLedger, JobLink
-from .cross_call import GATHER, HEAD, CrossWorkerCalls
+from .cross_call import GATHER, HEAD, CrossWorkerCalls, PendingCall
 from .cross_device_ops import CrossDeviceOps
 from .host import concat
 from .watch import CallWatch
 
-__all__ = ["DistributedCommunicator"]
+__all__ = ["DistributedCommunicator", "OverlappedSum"]
 
 _HOST = Device("CPU", 0)
 
@@ -238,8 +238,58 @@ class DistributedCommunicator:
         table = self._calls.call("any worker has data", (), [], flag=int(flag))
         return any(row[3] for row in table)
 
+    # ------------------------------------------------- overlapped gradients
+    def overlaps(self, dtype: torch.dtype) -> bool:
+        """Whether a SUM of ``dtype`` can be launched ahead (`launch_sum`): its call
+        check rides in the data, or calls are not checked."""
+        return not self._check or trailer.length("sum", dtype, self._topology.num_workers) > 0
+
+    def launch_sum(self, what: str, flats: Sequence[torch.Tensor], *, sync: bool
+                   ) -> OverlappedSum:
+        """Starts the SUM over every replica of every worker of the local replicas'
+        ``flats`` (one flat tensor each, one dtype; summed locally in replica order, as
+        `reduce_packed` does), without waiting; `finish_sum` waits. Its identity rides
+        in the data, so its sizes must be known to match the peers': ``sync=True``
+        makes the fully checked call instead (header first; done on return), as the
+        first step of a bucket plan does. The optimizer's gradient buckets use it."""
+        n = flats[0].numel()
+        dtype = flats[0].dtype
+        extra = trailer.length("sum", dtype, self._topology.num_workers) if self._check else 0
+        buffer = default_pool().empty((n + extra,), dtype, self._wire.torch_device)
+        buffer[:n].copy_(flats[0] if len(flats) == 1 else self._local.reduce_to_devices(
+            ReduceOp.SUM, flats, (self._wire,))[0])
+        wire = (("sum", str(dtype), n + extra),)
+        what = f"MirroredOptimizer.step: SUM of {what} of the gradients"
+        if sync:
+            self._calls.call(what, wire, [buffer])
+            return OverlappedSum(None, buffer[:n])
+        return OverlappedSum(self._calls.launch(what + " (launched in backward)", wire,
+                                                [buffer]), buffer[:n])
+
+    def finish_sum(self, pending: OverlappedSum) -> list[torch.Tensor]:
+        """Waits for a `launch_sum` and checks its identity (no data of a mismatched
+        call is used); the sum, one copy per local replica."""
+        if pending.call is not None:
+            self._calls.finish(pending.call)
+        return self._copies(pending.sum, self._topology.devices)
+
     def _copies(self, tensor: torch.Tensor, devices: Sequence[Device]) -> list[torch.Tensor]:
         """``tensor`` itself for the first destination when it already lives there."""
         if devices and devices[0].torch_device == tensor.device:
             return [tensor, *self._local.broadcast_to_devices(tensor, devices[1:])]
         return self._local.broadcast_to_devices(tensor, devices)
+
+
+class OverlappedSum:
+    """A `DistributedCommunicator.launch_sum`: the call in flight (``None``: done) and
+    the view of its buffer that holds the sum."""
+
+    __slots__ = ("call", "sum")
+
+    def __init__(self, call: PendingCall | None, total: torch.Tensor) -> None:
+        self.call, self.sum = call, total
+
+    @property
+    def works(self) -> list[Any]:
+        """The collectives in flight (none once done)."""
+        return [] if self.call is None else self.call.works

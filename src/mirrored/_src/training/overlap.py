@@ -165,8 +165,10 @@ class GradientBuckets:
         self._lock = threading.Lock()
         self.armed = False  # launch during backward this step (agreed by every worker)
         self.verified = False  # the plan went through one fully checked step
-        # steps, bucket communication (s), of it during backward (s), stale steps here
-        self.stats = {"steps": 0.0, "comm_s": 0.0, "hidden_s": 0.0, "redone": 0.0}
+        # steps, bucket communication (s), of it during backward (s), stale steps here,
+        # buckets launched during backward
+        self.stats = {"steps": 0.0, "comm_s": 0.0, "hidden_s": 0.0, "redone": 0.0,
+                      "early": 0.0}
         self._reset()
         self.handles = [p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                             self._hook(r, k))
@@ -226,6 +228,7 @@ class GradientBuckets:
                and self._early[self._next]):
             self._launch(self._next, sync=False)
             self._next += 1
+            self.stats["early"] += 1
 
     def _launch(self, b: int, *, sync: bool) -> None:
         members = self.plan[b]

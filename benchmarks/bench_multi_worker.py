@@ -30,8 +30,8 @@ import multiprocessing
 import socket
 import statistics
 import time
-from typing import Any
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -144,7 +144,7 @@ def _training_figures(strategy: mirrored.Strategy, quick: bool, results: dict[st
         results[f"{key}_{name}"] = 2 * batch * steps / statistics.median(samples)
     ratios = [d / m for d, m in zip(times["ddp"], times["mirrored"], strict=True)]
     results[f"{key}_ratio_lo"], results[f"{key}_ratio_hi"] = min(ratios), max(ratios)
-    buckets = opt._reducer.buckets  # noqa: SLF001
+    buckets = opt._reducer.buckets
     if buckets is not None and buckets.stats["comm_s"]:
         results[f"{key}_hidden"] = buckets.stats["hidden_s"] / buckets.stats["comm_s"]
         results[f"{key}_buckets"] = len(buckets.plan)

@@ -5,6 +5,8 @@ GradScaler and the clip trap; and the same as one device in float64."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Iterator
 
 import pytest
@@ -22,7 +24,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(autouse=True)
 def small_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(overlap_module, "DEFAULT_BUCKET_BYTES", 1024)  # several buckets
+    monkeypatch.setattr(overlap_module, "DEFAULT_BUCKET_BYTES", 256)  # several buckets
 
 
 @pytest.fixture
@@ -155,6 +157,26 @@ def test_clipping_before_step_still_raises_with_overlap(two: mirrored.MirroredSt
         two.run(step, args=(mirrored.PerReplica([x[:4], x[4:]]),))
 
 
+def test_a_dropped_optimizer_launches_nothing(two: mirrored.MirroredStrategy) -> None:
+    model = two.mirror(Net(torch.float32))
+    first = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1), overlap=True)
+    ref = weakref.ref(first._reducer.buckets)
+    del first
+    gc.collect()
+    assert ref() is None  # its hooks are gone with it
+    second = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1), overlap=False)
+
+    def step(x: torch.Tensor) -> None:
+        mirrored.compute_average_loss(model(x).pow(2).sum(1)).backward()
+        second.step()
+
+    x = torch.randn(8, 6)
+    two.run(step, args=(mirrored.PerReplica([x[:4], x[4:]]),))
+    for a, b in zip(model.replicas[0].parameters(), model.replicas[1].parameters(),
+                    strict=True):
+        assert torch.equal(a, b)
+
+
 def test_overlap_is_checked() -> None:
     strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
     model = strategy.mirror(nn.Linear(2, 2))
@@ -176,7 +198,7 @@ def test_bucket_plan_and_hidden_time() -> None:
 
 
 def _worker_train(local: int) -> list[list[torch.Tensor]]:
-    overlap_module.DEFAULT_BUCKET_BYTES = 1024
+    overlap_module.DEFAULT_BUCKET_BYTES = 256
     strategy = mirrored.MultiWorkerMirroredStrategy(
         communication_options=CommunicationOptions(timeout_seconds=60),
         devices=[f"CPU:{i}" for i in range(local)])
@@ -213,7 +235,7 @@ def test_overlap_is_bitwise_the_same_across_workers(local: int) -> None:
 
 
 def _worker_mismatch() -> str:
-    overlap_module.DEFAULT_BUCKET_BYTES = 1024
+    overlap_module.DEFAULT_BUCKET_BYTES = 256
     strategy = mirrored.MultiWorkerMirroredStrategy(
         communication_options=CommunicationOptions(timeout_seconds=20), devices=["CPU:0"])
     worker = strategy.cluster_resolver.worker_index

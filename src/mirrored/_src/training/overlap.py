@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -93,8 +94,9 @@ class _LocalSum:
 
 def bucket_plan(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[list[int]]:
     """Parameter indices grouped into buckets, last parameter first; a bucket holds
-    one dtype and device and at most ``bucket_bytes`` (a larger parameter is a
-    bucket of its own).
+    one dtype and device and is closed once it holds ``bucket_bytes`` or more (as
+    DDP's buckets: a large weight takes its bias along instead of leaving it a
+    round trip of its own).
 
     Example:
         >>> ps = [nn.Parameter(torch.zeros(n)) for n in (4, 4, 8, 2)]
@@ -104,16 +106,17 @@ def bucket_plan(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[list[
     buckets: list[list[int]] = []
     size = 0
     key: tuple[torch.dtype, torch.device] | None = None
+    closed = True
     for k in reversed(range(len(params))):
         p = params[k]
-        nbytes = p.numel() * p.element_size()
         here = (p.dtype, p.device)
-        if not buckets or here != key or size + nbytes > bucket_bytes:
+        if closed or here != key:
             buckets.append([])
             size = 0
             key = here
         buckets[-1].append(k)
-        size += nbytes
+        size += p.numel() * p.element_size()
+        closed = size >= bucket_bytes
     return buckets
 
 
@@ -136,6 +139,20 @@ def hidden_time(spans: Sequence[tuple[float, float]], backward_end: float
         hidden += max(0.0, min(stop, backward_end) - start)
         end = stop
     return total, hidden
+
+
+def _hook(ref: weakref.ReferenceType[GradientBuckets], r: int, k: int
+          ) -> Callable[[torch.Tensor], None]:
+    def hook(_: torch.Tensor) -> None:
+        buckets = ref()
+        if buckets is not None:
+            buckets.hook(r, k)
+    return hook
+
+
+def _remove(handles: Sequence[Any]) -> None:
+    for h in handles:
+        h.remove()
 
 
 class GradientBuckets:
@@ -171,8 +188,10 @@ class GradientBuckets:
                       "early": 0.0}
         self._reset()
         self.handles = [p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-                            self._hook(r, k))
+                            _hook(weakref.ref(self), r, k))
                         for r, ps in enumerate(params) for k, p in enumerate(ps)]
+        # An optimizer dropped (or replaced) must not launch collectives any more.
+        weakref.finalize(self, _remove, self.handles)
 
     def _reset(self) -> None:
         n = len(self._params[0])
@@ -187,20 +206,18 @@ class GradientBuckets:
 
     def remove(self) -> None:
         """Removes every hook."""
-        for h in self.handles:
-            h.remove()
+        _remove(self.handles)
 
     # ------------------------------------------------------------- backward
-    def _hook(self, r: int, k: int) -> Callable[[torch.Tensor], None]:
-        def hook(_: torch.Tensor) -> None:
-            with self._lock:
-                self._mark(r, k)
-                if self.armed and not self._queued[r]:
-                    self._queued[r] = True
-                    # torch runs queued callbacks when this backward pass ends
-                    # (a private entry point, stable since torch 1.x; DDP uses it).
-                    Variable._execution_engine.queue_callback(lambda: self._backward_end(r))
-        return hook
+    def hook(self, r: int, k: int) -> None:
+        """Replica ``r``'s gradient ``k`` was accumulated (a backward pass)."""
+        with self._lock:
+            self._mark(r, k)
+            if self.armed and not self._queued[r]:
+                self._queued[r] = True
+                # torch runs queued callbacks when this backward pass ends
+                # (a private entry point, stable since torch 1.x; DDP uses it).
+                Variable._execution_engine.queue_callback(lambda: self._backward_end(r))
 
     def _mark(self, r: int, k: int) -> None:
         """Replica ``r``'s gradient ``k`` is in (lock held)."""

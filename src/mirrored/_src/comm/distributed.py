@@ -263,7 +263,7 @@ class DistributedCommunicator:
         if sync:
             self._calls.call(what, wire, [buffer])
             return OverlappedSum(None, buffer[:n])
-        return OverlappedSum(self._calls.launch(what + " (launched in backward)", wire,
+        return OverlappedSum(self._calls.launch(what + " (asynchronous)", wire,
                                                 [buffer]), buffer[:n])
 
     def finish_sum(self, pending: OverlappedSum) -> list[torch.Tensor]:

@@ -295,7 +295,6 @@ def _scaled_worker(check_divergence: bool) -> dict[str, object]:
     """2 workers x 2 local replicas: GradScaler steps with an inf in global replica 3's
     batch only (worker 1), then (``check_divergence``) a change to global replica 3's
     copy, found by the check on every worker."""
-    from mirrored._src.cluster import process_group
     from mirrored.experimental import CommunicationOptions
 
     strategy = mirrored.MultiWorkerMirroredStrategy(
@@ -341,7 +340,6 @@ def _scaled_worker(check_divergence: bool) -> dict[str, object]:
         return {"scales": scales, "state": state, "error": error}
     finally:
         strategy.close()
-        process_group.destroy_process_group()
 
 
 @pytest.mark.timeout(150)

@@ -34,7 +34,12 @@ unit: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_core.py
 	$(PY) benchmarks/bench_collectives.py
+	$(PY) benchmarks/bench_loop.py
 	$(PY) benchmarks/bench_training.py
+	$(PY) benchmarks/bench_random.py
+	$(PY) benchmarks/bench_multi_worker.py
+	$(PY) benchmarks/bench_recovery.py
+	$(PY) benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 import mirrored
-from mirrored._src.cluster import process_group
 from mirrored.experimental import CommunicationOptions
 
 STEPS = 8
@@ -202,7 +201,6 @@ def _worker(directory: str, signal_rank: int | None, signal_at: int | None) -> d
         return {"exit": None, "runs": handler.total_run_calls, "state": state_of(model)}
     finally:
         strategy.close()
-        process_group.destroy_process_group()
 
 
 @pytest.mark.timeout(240)
@@ -237,7 +235,6 @@ def _skipping_worker(directory: str) -> str:
         return "raised"
     finally:
         strategy.close()
-        process_group.destroy_process_group()
 
 
 @pytest.mark.timeout(120)

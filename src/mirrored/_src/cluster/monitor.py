@@ -31,8 +31,9 @@ class PeerMonitor:
     """Beats this worker's heartbeat into ``store`` and watches the peers' beats.
 
     A heartbeat is ``"<count> <started> <completed>"``, or ``"exit <started>
-    <completed> <reason>"`` once a worker left (``reason``: the exception it left
-    on, e.g. ``KeyboardInterrupt``; empty for a normal departure). ``interval`` (a
+    <completed> <reason> <dead>"`` once a worker left (``reason``: the exception it
+    left on, e.g. ``KeyboardInterrupt``, ``-`` for a normal departure; ``dead``: the
+    peers it saw die, comma-separated, or ``-``; the others believe it). ``interval`` (a
     tenth of the failure timeout, between 0.05 and 1 s) is how often it beats and looks.
 
     Example:
@@ -58,6 +59,7 @@ class PeerMonitor:
         self._progress: dict[int, int] = {}
         self._left: dict[int, tuple[int, int, str]] = {}
         self._dead: list[int] = []
+        self._reported: set[int] = set()  # dead according to a peer that left
         self._last_read = now  # when the store last answered
         self._beats = 0
         self._armed = False  # no verdicts until every peer has joined (see arm)
@@ -84,15 +86,15 @@ class PeerMonitor:
                 continue
             now = self._last_read = time.monotonic()
             for r, value in zip(present, values, strict=True):
-                parts = value.split(b" ")
-                head, started, completed = [*parts, b"0", b"0"][:3]
-                reason = parts[3] if len(parts) > 3 else b""
-                self._progress[r] = int(started)
+                head, started, completed, reason, reported = _parse(value)
+                self._progress[r] = started
                 if head == b"exit" and r not in self._left:
-                    self._left[r] = (int(started), int(completed), reason.decode())
+                    self._left[r] = (started, completed, reason)
                     _log.info("worker %d: worker %d left the job after %s collectives%s",
-                              self.rank, r, int(completed),
-                              f" ({reason.decode()})" if reason else "")
+                              self.rank, r, completed, f" ({reason})" if reason else "")
+                    # Deaths it saw are evidence here too: the survivors name the dead
+                    # worker, not the one that left after seeing it die.
+                    self._reported.update(d for d in reported if d != self.rank)
                 if value != self._seen[r][0]:
                     self._seen[r] = (value, now)
             self._judge(now, store_alive=True)
@@ -103,7 +105,8 @@ class PeerMonitor:
         limit = self.failure_timeout
         # Without the store, time stops at its last answer for every peer but its host.
         dead = sorted(r for r in self._peers if r not in self._left and (
-            (now if store_alive or r == 0 else self._last_read) - self._seen[r][1] > limit))
+            r in self._reported
+            or (now if store_alive or r == 0 else self._last_read) - self._seen[r][1] > limit))
         for r in set(dead) - set(self._dead):
             _log.warning("worker %d: worker %d failed (no heartbeat for %g s)",
                          self.rank, r, limit)
@@ -128,13 +131,40 @@ class PeerMonitor:
         """Each peer's count of started collectives, as last seen."""
         return dict(self._progress)
 
-    def stop(self, *, announce: bool = True, reason: str = "") -> None:
+    def stop(self, *, announce: bool = True, reason: str = "", host: bool = False) -> None:
         """Stops beating; with ``announce``, tells the peers this worker left (on the
-        exception named by ``reason``, if any)."""
+        exception named by ``reason``, if any) and which peers it saw die.
+
+        The ``host`` of the store (worker 0, outside torchrun) leaving after a death or
+        on an exception keeps the store up until every peer has left or is dead, at
+        most ``failure_timeout`` plus three beats: its peers read its record there, so
+        they name the dead worker rather than the host whose store vanished."""
         self._stop.set()
         self._thread.join()
         if announce:
+            dead = ",".join(str(r) for r in self._dead) or "-"
             with contextlib.suppress(Exception):  # the store is gone already
                 self._store.set(_key(self.rank),
-                                f"exit {self.started} {self.completed} {reason}".rstrip())
+                                f"exit {self.started} {self.completed} {reason or '-'} {dead}")
+            if host and (self._dead or reason):
+                self._linger(time.monotonic() + self.failure_timeout + 3 * self.interval)
         self._store = None  # its connection closes now
+
+    def _linger(self, deadline: float) -> None:
+        waiting = [r for r in self._peers if r not in self._left and r not in self._dead]
+        while waiting and time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                waiting = [r for r in waiting if self._store.check([_key(r)]) and
+                           not self._store.get(_key(r)).startswith(b"exit")]
+            time.sleep(self.interval / 2)
+
+
+def _parse(value: bytes) -> tuple[bytes, int, int, str, list[int]]:
+    """A heartbeat ``"<count> <started> <completed>"`` or a departure ``"exit <started>
+    <completed> <reason or -> <dead peers, comma-separated, or ->"``."""
+    parts = value.split(b" ")
+    head, started, completed = [*parts, b"0", b"0"][:3]
+    reason = parts[3].decode() if len(parts) > 3 and parts[3] != b"-" else ""
+    dead = ([int(r) for r in parts[4].split(b",")]
+            if len(parts) > 4 and parts[4] != b"-" else [])
+    return head, int(started), int(completed), reason, dead

@@ -254,7 +254,8 @@ class Job:
             return
         self._closed = True
         handling = sys.exc_info()[0]
-        self._monitor.stop(reason="" if handling is None else handling.__name__)
+        self._monitor.stop(reason="" if handling is None else handling.__name__,
+                           host=self._store.server is not None)
         if dist.is_initialized():
             dist.destroy_process_group()
         self._store = None

@@ -86,8 +86,8 @@ def reduce(parts: Parts, reduce_op: ReduceOp | str, value: Any, axis: Any) -> An
     topology = parts.topology
     n_local = topology.num_local_replicas
     title = op_title("reduce", op, axes, show_none=True)
-    if (type(value) is torch.Tensor and axes is not None and n_local == 1
-            and topology.num_replicas_in_sync == 1 and parts.cluster is None):
+    if (type(value) is torch.Tensor and axes is not None
+            and topology.num_replicas_in_sync == 1):  # one replica in all: nothing to meet
         return _reduce_alone(title, op, _detached(value), axes, parts, device)
     paths, leaves, spec = pytree.flatten_with_path(value)
     out: list[Any] = [None] * len(leaves)

@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import os
 import sys
+import sysconfig
 from typing import Protocol
 
 import torch
@@ -26,6 +27,12 @@ __all__ = ["CallLedger", "JobLink", "UserCall", "Wire", "identity_hash", "user_c
 Wire = tuple[tuple[str, str, int], ...]  # (kind, dtype, numel) of each data collective
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+# Frames skipped on the way to the user's line: this library, torch, the standard
+# library and installed packages. A wrapper such as tqdm takes different lines on
+# different workers (a progress bar shown on the chief only), so its lines are no site.
+_SKIPPED = tuple(sorted({_PACKAGE, _TORCH} | {
+    os.path.abspath(p) + os.sep for k, p in sysconfig.get_paths().items()
+    if k in ("stdlib", "platstdlib", "purelib", "platlib")}))
 _FRIENDLY = {"__next__": "next(distributed dataset)", "__iter__": "iter(distributed dataset)",
              "AllReduceFunction.backward": "the backward pass of ReplicaContext.all_reduce"}
 
@@ -69,13 +76,14 @@ class UserCall:
 
 
 def user_call() -> UserCall:
-    """The outermost frame of this library (or torch) below the user's code, and the
-    user's ``file.py:line``, from the calling thread's stack."""
+    """The outermost frame of this library below the user's code, and the user's
+    ``file.py:line`` (the first frame outside this library, torch, the standard
+    library and installed packages), from the calling thread's stack."""
     frame = sys._getframe(1)
     entry = "?"
     while frame is not None:
         filename = frame.f_code.co_filename
-        if filename.startswith(_PACKAGE) or filename.startswith(_TORCH):
+        if filename.startswith(_SKIPPED) or filename.startswith("<frozen "):
             if filename.startswith(_PACKAGE):
                 entry = frame.f_code.co_qualname.lstrip("_")
             frame = frame.f_back  # type: ignore[assignment]

@@ -3,7 +3,8 @@ torchrun, for tests of multi-worker code on one machine.
 
 Each rank is a "spawn" child in its own process group with torchrun's variables set. It
 sends back one pickled report (its return value, or its exception's formatted traceback)
-through its own pipe, then leaves with ``os._exit`` (no interpreter teardown to hang in).
+through its own pipe, runs what a normal exit runs (``atexit`` functions, weakref
+finalizers), then leaves with ``os._exit`` (no interpreter teardown to hang in).
 The parent waits on every pipe and process sentinel until all ranks reported, one failed
 (then the others get a short grace period), or the deadline passed; on every path it then
 kills each child's process group and the child, and joins them, so nothing outlives a call.
@@ -12,6 +13,7 @@ A child also exits by itself when its parent disappears.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import math
 import multiprocessing
@@ -106,6 +108,9 @@ def _child_main(rank: int, env: dict[str, str], payload: bytes, conn: Connection
     try:
         conn.send_bytes(data)
         conn.close()
+        # What a script's normal exit runs (weakref finalizers included: a job that was
+        # never closed leaves the way it would at exit), without the teardown.
+        atexit._run_exitfuncs()
     finally:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError, AttributeError):

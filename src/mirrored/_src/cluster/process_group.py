@@ -25,6 +25,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -153,6 +154,11 @@ class Job:
         self._store = store
         self._monitor = monitor
         self._closed = False
+        # A job dropped without close() (a script that never closes its strategy, an
+        # exit) still leaves properly: its peers read its departure record, and worker 0
+        # keeps the store up while they name a dead peer (see PeerMonitor.stop).
+        self._departure = weakref.finalize(self, _depart, monitor,
+                                           store.server is not None)
 
     @classmethod
     def start(cls, spec: JobSpec, facts: Mapping[str, int] | None = None) -> Job:
@@ -253,9 +259,7 @@ class Job:
         if self._closed:
             return
         self._closed = True
-        handling = sys.exc_info()[0]
-        self._monitor.stop(reason="" if handling is None else handling.__name__,
-                           host=self._store.server is not None)
+        self._departure()  # tells the peers, on the exception being handled if any
         if dist.is_initialized():
             dist.destroy_process_group()
         self._store = None
@@ -269,6 +273,13 @@ class Job:
         s = self.spec
         return (f"Job(backend={s.backend!r}, rank={s.rank}, world_size={s.world_size}, "
                 f"master={s.where})")
+
+
+def _depart(monitor: PeerMonitor, host: bool) -> None:
+    """Stops the heartbeat and writes this worker's departure record (on the exception
+    being handled, if any)."""
+    handling = sys.exc_info()[0]
+    monitor.stop(reason="" if handling is None else handling.__name__, host=host)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

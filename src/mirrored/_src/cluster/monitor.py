@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import time
 from typing import Any
@@ -149,6 +150,12 @@ class PeerMonitor:
             if host and (self._dead or reason):
                 self._linger(time.monotonic() + self.failure_timeout + 3 * self.interval)
         self._store = None  # its connection closes now
+
+    def depart(self, *, host: bool) -> None:
+        """`stop` on the job's departure (its ``close()``, or the job dropped or the
+        interpreter exiting without it), on the exception being handled, if any."""
+        handling = sys.exc_info()[0]
+        self.stop(reason="" if handling is None else handling.__name__, host=host)
 
     def _linger(self, deadline: float) -> None:
         waiting = [r for r in self._peers if r not in self._left and r not in self._dead]

@@ -22,7 +22,6 @@ import gc
 import json
 import logging
 import socket
-import sys
 import threading
 import time
 import weakref
@@ -154,11 +153,8 @@ class Job:
         self._store = store
         self._monitor = monitor
         self._closed = False
-        # A job dropped without close() (a script that never closes its strategy, an
-        # exit) still leaves properly: its peers read its departure record, and worker 0
-        # keeps the store up while they name a dead peer (see PeerMonitor.stop).
-        self._departure = weakref.finalize(self, _depart, monitor,
-                                           store.server is not None)
+        # Dropped without close() (no strategy.close(), an exit), the job still departs.
+        self._departure = weakref.finalize(self, monitor.depart, host=store.server is not None)
 
     @classmethod
     def start(cls, spec: JobSpec, facts: Mapping[str, int] | None = None) -> Job:
@@ -273,13 +269,6 @@ class Job:
         s = self.spec
         return (f"Job(backend={s.backend!r}, rank={s.rank}, world_size={s.world_size}, "
                 f"master={s.where})")
-
-
-def _depart(monitor: PeerMonitor, host: bool) -> None:
-    """Stops the heartbeat and writes this worker's departure record (on the exception
-    being handled, if any)."""
-    handling = sys.exc_info()[0]
-    monitor.stop(reason="" if handling is None else handling.__name__, host=host)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -261,3 +261,44 @@ def test_the_callers_compile_config_applies_on_every_replica():
     for got, want in zip(compiled_out, eager_out, strict=True):
         torch.testing.assert_close(got, want)
     strategy.close()
+
+
+class _NoisySGD(torch.optim.SGD):
+    """SGD with gradient noise drawn in step (as noisy or perturbed optimizers do)."""
+
+    def step(self, closure=None):  # type: ignore[override]
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.grad.add_(torch.randn_like(p.grad) * 1e-3)
+        return super().step(closure)
+
+
+def test_draws_inside_the_optimizer_step_come_from_the_replicas_stream():
+    # The library's own calls (the step, its all-reduce) run in the replica's stream: a
+    # draw there must neither touch the caller's generator from two threads at once nor
+    # differ between two runs from the same seed.
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+
+    def train(seed: int) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        torch.manual_seed(seed)
+        model = strategy.mirror(torch.nn.Linear(4, 1))
+        opt = strategy.mirror_optimizer(model, lambda p: _NoisySGD(p, lr=0.1))
+        state = torch.get_rng_state()
+
+        def step() -> None:
+            mirrored.compute_average_loss(model(torch.ones(2, 4)).squeeze(1)).backward()
+            opt.step()
+            opt.zero_grad()
+
+        strategy.run(step)
+        after = torch.get_rng_state()
+        return [p.detach().clone() for p in model.replicas[1].parameters()], state, after
+
+    first, state, after = train(7)
+    torch.set_rng_state(state)
+    torch.randint(0, 1 << 62, (1,))  # the run's one base seed, nothing else
+    assert torch.equal(after, torch.get_rng_state())
+    again, _, _ = train(7)
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    strategy.close()

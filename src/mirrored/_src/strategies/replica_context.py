@@ -11,7 +11,6 @@ from ..collectives.call import call_site
 from ..collectives.parts import Parts
 from ..options import CommunicationOptions
 from ..reduce_op import ReduceOp
-from ..runtime.random import library_call
 
 __all__ = ["ReplicaContext"]
 
@@ -113,8 +112,8 @@ class ReplicaContext:
             (tensor(2.5000), tensor(2.5000))
         """
         self._check_current("all_reduce")
-        return library_call(all_reduce.all_reduce, self._parts, self._index, reduce_op, value,
-                            options, axis, call_site(1))
+        return all_reduce.all_reduce(self._parts, self._index, reduce_op, value,
+                                     options, axis, call_site(1))
 
     def all_gather(self, value: Any, axis: int,
                    options: CommunicationOptions | None = None) -> Any:
@@ -137,8 +136,8 @@ class ReplicaContext:
             tensor([1., 1., 1.])
         """
         self._check_current("all_gather")
-        return library_call(all_gather.all_gather, self._parts, self._index, value, axis,
-                            options, call_site(1))
+        return all_gather.all_gather(self._parts, self._index, value, axis,
+                                     options, call_site(1))
 
     def merge_call(self, merge_fn: Callable[..., Any], args: Sequence[Any] = (),
                    kwargs: dict[str, Any] | None = None) -> Any:

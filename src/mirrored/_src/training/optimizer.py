@@ -25,7 +25,6 @@ import torch.optim.optimizer as _torch_optimizer
 from torch import nn
 
 from ..errors import ReplicaDivergenceError
-from ..runtime.random import library_call
 from . import amp
 from . import overlap as _overlap
 from .buffers import BUFFER_RULES, BufferRule
@@ -167,7 +166,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         # The library's own work: without the replica's random-stream mode dispatch.
-        library_call(self._step, clip_grad_norm)
+        self._step(clip_grad_norm)
         if hooked:
             for post in (*self._optimizer_step_post_hooks.values(),
                          *_GLOBAL_POST_HOOKS.values()):
@@ -214,7 +213,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
         """All-reduces this replica's gradients, then unscales them and checks them for
         inf/NaN (``GradScaler.unscale_`` on the global gradients)."""
         ctx, r = replica_of(self._strategy, "GradScaler.unscale_")
-        library_call(self._reducer.reduce, ctx, r)
+        self._reducer.reduce(ctx, r)
         params = self._params[r]
         found = torch.zeros((), dtype=torch.float32, device=params[0].device)
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
@@ -263,7 +262,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
                         "drop a step's gradients on purpose, call optimizer.step() with a "
                     "learning rate of 0 or do not call backward()")
         for i in replicas:
-            library_call(self._optimizers[i].zero_grad, set_to_none)
+            self._optimizers[i].zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
         """Replica 0's optimizer's state dict (interchangeable with a plain optimizer's)."""

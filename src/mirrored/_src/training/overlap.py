@@ -37,7 +37,6 @@ from torch.autograd import Variable
 
 from ..comm import packing
 from ..reduce_op import ReduceOp
-from ..runtime.random import library_call
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "GradientBuckets", "Pending", "bucket_plan", "hidden_time"]
 
@@ -230,7 +229,7 @@ class GradientBuckets:
         b = self._bucket_of[k]
         self._left[b] -= 1
         if self.armed and self._left[b] == 0 and b == self._next:
-            library_call(self._launch_ready)
+            self._launch_ready()
 
     def _backward_end(self, r: int) -> None:
         with self._lock:

@@ -18,7 +18,6 @@ from torch import nn
 
 from ..errors import ReplicaDivergenceError
 from ..runtime.contract import Arrival, CallSpec
-from ..runtime.random import library_call
 from .buffers import BufferRule, BufferSync, other_buffers
 from .check import Check, GradientWatch, compare, fingerprint, modified_message, slots_per_tensor
 from .module import MirroredModule
@@ -87,7 +86,7 @@ class GradientReducer:
         assert buckets is not None  # callers check
 
         def combine(payloads: Sequence[None]) -> list[_Finished]:
-            return [_Finished(*library_call(buckets.finish))] * len(payloads)
+            return [_Finished(*buckets.finish())] * len(payloads)
 
         parts = self._parts
         call = CallSpec("MirroredOptimizer.step", "the gradient buckets", ("buckets",))

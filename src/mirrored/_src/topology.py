@@ -30,6 +30,9 @@ class Topology:
             is not per-replica is already "the" value.
         worker_values: a worker of a multi-worker job (of any size): a value that is
             not per-replica is this worker's value, combined once per worker.
+        elastic: workers may be missing from a step (`mirrored.elastic`): a MEAN
+            divides by the replicas actually combined (counted), not by
+            ``num_replicas_in_sync``.
 
     Raises:
         ValueError: no devices, or a worker index outside ``0 .. num_workers - 1``.
@@ -47,6 +50,7 @@ class Topology:
     num_workers: int = 1
     follows_caller: bool = False
     worker_values: bool = False
+    elastic: bool = False
     # Derived, filled in __post_init__ (hot paths read them).
     num_local_replicas: int = dataclasses.field(init=False)
     num_replicas_in_sync: int = dataclasses.field(init=False)

@@ -84,7 +84,8 @@ class AllReduce:
     def _combine(self, payloads: Sequence[_Payload]) -> list[_Result]:
         topology = self.parts.topology
         counts: list[int] | None = None
-        if self.axes is not None:
+        # Elastic: a MEAN divides by the replicas of the step (some may be missing).
+        if self.axes is not None or (self.op is ReduceOp.MEAN and topology.elastic):
             counts = self.parts.communicators.for_options(self.options).sum_counts(
                 [p.counts for p in payloads]) if topology.num_replicas_in_sync > 1 else list(
                 payloads[0].counts)

@@ -132,7 +132,8 @@ def reduce(parts: Parts, reduce_op: ReduceOp | str, value: Any, axis: Any) -> An
     if jobs:
         communicator = parts.communicators.default
         counts: list[int] | None = None
-        if (worker_values and op is ReduceOp.MEAN) or any(plan.counts for _, plan, _, _ in jobs):
+        if (op is ReduceOp.MEAN and (worker_values or topology.elastic)) or any(
+                plan.counts for _, plan, _, _ in jobs):  # elastic: the replicas combined
             counts = communicator.sum_counts([list(c) for c in zip(
                 *(job[3] for job in jobs), strict=True)])
         destination = _destination(device)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -15,7 +15,30 @@ from ..options import CommunicationOptions
 from ..runtime.runtime import Runtime
 from ..topology import Topology
 
-__all__ = ["Cluster", "Parts"]
+__all__ = ["Cluster", "Parts", "StepControl"]
+
+
+class StepControl(Protocol):
+    """What an elastic strategy adds (`mirrored.elastic`): steps that begin with a
+    quorum of the live workers and end with a commit vote."""
+
+    def begin(self) -> None:
+        """Starts a step (its quorum) unless one is open; called by ``run`` and by the
+        distributed dataset before a batch is split."""
+        ...
+
+    def commit(self) -> bool:
+        """Ends the step: whether every live worker may apply its optimizer step."""
+        ...
+
+    def track(self, obj: Any) -> None:
+        """A mirrored module or optimizer whose state a rejoining worker receives."""
+        ...
+
+    def feed(self, source: Any, options: Any, kind: str) -> tuple[Any, Any]:
+        """The input pipeline of a distributed dataset (``kind``: "dataset" or
+        "function"), aligned with the steps."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -35,6 +58,8 @@ class Cluster:
         next_phase: called when a ``run`` starts and ends, so every worker's calls
             carry the phase of the program they belong to (a skipped collective is
             caught even when the calls look alike).
+        steps: the elastic strategy's step control (quorum, commit vote); ``None``
+            for a fixed job.
     """
 
     resolver: Any
@@ -42,6 +67,7 @@ class Cluster:
     sync: Callable[[Sequence[torch.Tensor]], None]
     leave: Callable[[], None] = lambda: None
     next_phase: Callable[[], None] = lambda: None
+    steps: StepControl | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -17,8 +17,9 @@ from ..values import DistributedValues, PerReplica, ValueContext, regroup, selec
 
 __all__ = ["check_run", "distribute_values", "local_results", "nested_in_merge_fn",
            "require_cross_replica", "run_finished", "run_in_merge_fn", "run_started",
-           "split_args", "sync_from_chief", "vote"]
+           "split_args", "steps_input", "sync_from_chief", "track", "vote"]
 
+_T = TypeVar("_T")
 ReplicaArgs = Callable[[int], tuple[Any, dict[str, Any]]]
 
 
@@ -94,7 +95,10 @@ def run_in_merge_fn(parts: Parts, contexts: Sequence[Any], fn: Callable[..., Any
 
 
 def run_started(parts: Parts) -> int:
-    """A run of the strategy starts: marked in flight; a new phase for the workers."""
+    """A run of the strategy starts (an elastic step begins, if none is open): marked in
+    flight; a new phase for the workers."""
+    if parts.cluster is not None and parts.cluster.steps is not None:
+        parts.cluster.steps.begin()
     key = context.run_started(parts.strategy)
     if parts.cluster is not None:
         parts.cluster.next_phase()
@@ -111,6 +115,22 @@ def run_finished(parts: Parts, key: int) -> None:
 def vote(parts: Parts) -> Callable[[bool], bool] | None:
     """How a distributed dataset asks whether any worker still has data (multi-worker)."""
     return None if parts.cluster is None else parts.cluster.vote
+
+
+def track(parts: Parts, obj: _T) -> _T:
+    """``obj`` (a mirrored module or optimizer), tracked by an elastic strategy: a
+    rejoining worker receives its state from a healthy peer."""
+    if parts.cluster is not None and parts.cluster.steps is not None:
+        parts.cluster.steps.track(obj)
+    return obj
+
+
+def steps_input(parts: Parts, source: Any, options: Any, kind: str) -> tuple[Any, Any]:
+    """A distributed dataset's source and options, aligned with the steps of an elastic
+    strategy (unchanged otherwise)."""
+    if parts.cluster is not None and parts.cluster.steps is not None:
+        return parts.cluster.steps.feed(source, options, kind)
+    return source, options
 
 
 def sync_from_chief(parts: Parts, module: torch.nn.Module) -> None:

@@ -220,6 +220,7 @@ class Strategy:
             [PerReplica:{0: tensor([0, 1]), 1: tensor([2])}]
         """
         self._require_cross_replica("experimental_distribute_dataset")
+        dataset, options = distribute.steps_input(self._parts, dataset, options, "dataset")
         return DistributedDataset(dataset, self._parts.topology, options,
                                   any_worker=distribute.vote(self._parts))
 
@@ -238,6 +239,7 @@ class Strategy:
             PerReplica:{0: tensor([1., 1.]), 1: tensor([0.])}
         """
         self._require_cross_replica("distribute_datasets_from_function")
+        dataset_fn, options = distribute.steps_input(self._parts, dataset_fn, options, "function")
         return DistributedDatasetsFromFunction(dataset_fn, self._parts.topology, options,
                                                any_worker=distribute.vote(self._parts))
 
@@ -257,7 +259,8 @@ class Strategy:
             2
         """
         distribute.sync_from_chief(self._parts, module)
-        return mirror(self, module, sync_batch_norm=sync_batch_norm)
+        mirrored = mirror(self, module, sync_batch_norm=sync_batch_norm)
+        return distribute.track(self._parts, mirrored)
 
     def mirror_optimizer(self, module: MirroredModule,
                          make_optimizer: Callable[[Any], torch.optim.Optimizer],
@@ -274,4 +277,5 @@ class Strategy:
             >>> len(opt.optimizers)
             2
         """
-        return mirror_optimizer(self, module, make_optimizer, **options)
+        optimizer = mirror_optimizer(self, module, make_optimizer, **options)
+        return distribute.track(self._parts, optimizer)

@@ -191,6 +191,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
         if not reducer.reduced[r]:
             reducer.reduce(ctx, r)
         reducer.reduced[r] = False
+        if not reducer.committed[r]:  # elastic: a step the workers did not commit
+            return
         if r:
             for source, target in zip(self._optimizers[0].param_groups, optimizer.param_groups,
                                       strict=True):
@@ -366,7 +368,8 @@ def mirror_optimizer(strategy: Strategy, mirrored_module: MirroredModule,
         raise TypeError(f"overlap must be True, False or None (automatic); got "
                         f"{type(overlap).__name__} {overlap!r}")
     if overlap is None:
-        overlap = strategy._parts.topology.num_workers > 1
+        topology = strategy._parts.topology
+        overlap = topology.num_workers > 1 and not topology.elastic  # elastic: one vote
     amp.install()
     optimizers = []
     params = []

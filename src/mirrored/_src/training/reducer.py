@@ -6,6 +6,11 @@ flag per parameter (a gradient that is ``None`` on every replica stays ``None``)
 each replica's fingerprint of the copies (`check`), the BatchNorm statistics to
 average and the other buffers (`buffers`). The reduced gradients replace
 ``.grad`` (views of the packed result, no copy).
+
+Under an elastic strategy (`mirrored.elastic`) the all-reduce also carries one
+presence slot per global replica, so that divisors and the copies' comparison count
+only the replicas of the step, and the workers then vote (torchft's commit): a step
+that is not committed leaves no gradient and steps no optimizer.
 """
 
 from __future__ import annotations
@@ -55,6 +60,12 @@ class GradientReducer:
         self._parts = strategy._parts
         self._params = params
         self._check: Check = check
+        self._steps = None if self._parts.cluster is None else self._parts.cluster.steps
+        self.committed = [True] * local  # elastic: the last all-reduce's step was committed
+        if self._steps is not None and overlap:
+            raise ValueError("mirror_optimizer(overlap=True) is not available under an elastic "
+                             "strategy (one all-reduce per step carries the commit vote's "
+                             "inputs); leave overlap at its default")
         self._stats = tuple(module.averaged_buffers(r) for r in range(local))
         self._sync = tuple(BufferSync(buffers, other_buffers(c), n) for c in module.replicas)
         self._names = names + [name for name, _ in self._sync[0].fingerprinted()]
@@ -71,6 +82,10 @@ class GradientReducer:
                                       torch.zeros(n * self._width, dtype=meta_dtype,
                                                   device=p[0].device)])
                            for p in params)
+        if self._steps is not None:  # elastic: a presence slot per global replica, own set
+            ids = self._parts.topology.replica_ids
+            self._meta = tuple(torch.cat([m, (torch.arange(n, device=m.device) == g).to(m.dtype)])
+                               for m, g in zip(self._meta, ids, strict=True))
         self.buckets: GradientBuckets | None = None
         if overlap and n > 1 and len(bucket_plan(params[0], bucket_bytes)) > 1:
             self.buckets = GradientBuckets(params, self._parts.communicators.default,
@@ -139,6 +154,9 @@ class GradientReducer:
         if buckets is None:
             reduced = ctx.all_reduce("SUM", [*grads, meta, *stats, *sends])
             self.seq[r] += 1
+            live = self._live(ctx, r, reduced[n]) if self._steps is not None else None
+            if live is not None and not live:  # not committed: nothing of this step is used
+                return
             for p, t in zip(params, reduced[:n], strict=True):
                 p.grad = t
         else:  # the last bucket's gradients and the rest follow in one all-reduce
@@ -162,17 +180,50 @@ class GradientReducer:
                     params[k].grad = None
         if stats:
             averaged = reduced[n + 1:n + 1 + len(stats)]
-            torch._foreach_div_(averaged, self._num_replicas)
+            torch._foreach_div_(averaged, live or self._num_replicas)
             torch._foreach_copy_(stats, averaged)
         if sends:
+            sync.num_replicas = live or self._num_replicas
             sync.apply(reduced[n + 1 + len(stats):])
         if self._watch is not None:
             self._watch.clear(r)
         if width:
-            table = reduced[n][n:n + self._num_replicas * width]
-            compare(table.view(self._num_replicas, width), self._names, self.seq[r],
+            table = reduced[n][n:n + self._num_replicas * width].view(self._num_replicas, width)
+            if live is not None:  # elastic: the rows of the replicas in the step
+                table = table[reduced[n][-self._num_replicas:] > 0]
+            compare(table, self._names, self.seq[r],
                     params=n, since=max(self.seq[r] - self._every, 0))
         self.reduced[r] = True
+
+    def _live(self, ctx: ReplicaContext, r: int, meta: torch.Tensor) -> int:
+        """Elastic: the workers' commit vote (once per worker, by the last local replica
+        to arrive); the replicas in the step if committed, else 0 (the gradients are
+        dropped, this replica's reduction is done)."""
+        steps = self._steps
+        assert steps is not None  # callers check
+        presence = meta[-self._num_replicas:]
+        doubled = (presence > 1).nonzero().flatten().tolist()
+
+        def vote(payloads: Sequence[None]) -> list[bool]:
+            return [steps.commit()] * len(payloads)
+
+        call = CallSpec("MirroredOptimizer.step", "the commit vote", ("commit",))
+        committed = self._parts.runtime.exchange(r, Arrival(call, None, vote),
+                                                 self._parts.options.timeout_seconds)
+        if committed and doubled:
+            raise ValueError(
+                f"two live workers of the elastic job hold replica(s) {doubled} (replica "
+                f"{ctx.replica_id_in_sync_group} saw them twice in one step): every worker "
+                "needs its own worker_index; a restarted worker reuses the lost one's")
+        self.committed[r] = committed
+        if not committed:
+            for p in self._params[r]:
+                p.grad = None
+            if self._watch is not None:
+                self._watch.clear(r)
+            self.reduced[r] = True
+            return 0
+        return int(presence.sum())
 
 
 class _Finished:

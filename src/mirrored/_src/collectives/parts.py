@@ -22,6 +22,11 @@ class StepControl(Protocol):
     """What an elastic strategy adds (`mirrored.elastic`): steps that begin with a
     quorum of the live workers and end with a commit vote."""
 
+    @property
+    def step(self) -> int:
+        """The job's committed steps (the same on every worker of a step)."""
+        ...
+
     def begin(self) -> None:
         """Starts a step (its quorum) unless one is open; called by ``run`` and by the
         distributed dataset before a batch is split."""

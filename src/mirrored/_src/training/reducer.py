@@ -145,7 +145,9 @@ class GradientReducer:
             sums, stale, accumulated = self._finish_buckets(r)
             meta[-2:] = torch.tensor([float(stale), float(accumulated)])
         sync = self._sync[r]
-        width = self._width if self.seq[r] % self._every == 0 else 0
+        # Elastic: the job's step paces the check (a rejoined worker's own count differs).
+        count = self.seq[r] if self._steps is None else self._steps.step
+        width = self._width if count % self._every == 0 else 0
         if width:
             watched = [*params, *(t for _, t in sync.fingerprinted())]
             fingerprint(watched, self._check, meta[n + g * width:n + (g + 1) * width])

@@ -221,3 +221,90 @@ def check(results: dict[int, Any], killed_at: float) -> None:
     print(f"\nelastic strategy: survivors' longest pause {max(gaps):.2f} s (median step "
           f"{sorted(gaps)[len(gaps) // 2]:.3f} s); restarted worker back at step "
           f"{rejoined['step']}, {rejoined['time'] - killed_at:.1f} s after the kill")
+
+
+@pytest.fixture
+def one_worker():
+    """A job of one worker with 2 local replicas (its own lighthouse)."""
+    lighthouse = elastic.Lighthouse(min_workers=1, join_timeout_seconds=0.2)
+    strategy = elastic.ElasticMirroredStrategy(lighthouse.address, worker_index=0,
+                                               num_workers=1, devices=DEVICES)
+    yield strategy
+    strategy.close()
+    lighthouse.close()
+
+
+@pytest.mark.timeout(60)
+def test_one_worker_trains_as_one_device_and_indexes_its_dataset_by_step(one_worker):
+    strategy = one_worker
+    with strategy.scope():
+        net = strategy.mirror(model(0))
+        opt = strategy.mirror_optimizer(net, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.5))
+    dataset = strategy.experimental_distribute_dataset([batch(s) for s in range(6)])
+
+    def step_fn(x: torch.Tensor, y: torch.Tensor, tag: torch.Tensor, train: bool) -> Any:
+        loss = mirrored.compute_average_loss(((net(x) - y) ** 2).squeeze(1))
+        if train:
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return tag
+
+    seen = []
+    for k, (x, y, tag) in enumerate(dataset):
+        # Every other batch is an evaluation run (no optimizer step): the step does not
+        # end, so the next batch taken is the same element.
+        tags = strategy.run(step_fn, args=(x, y, tag, k % 2 == 1))
+        seen.append((strategy.elastic.step, strategy.gather(tags, axis=0).tolist()))
+    assert [step for step, _ in seen] == [0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6]
+    assert [rows for _, rows in seen] == [[s] * GLOBAL_BATCH for s in range(6) for _ in "ab"]
+    reference_net = model(0)
+    reference_opt = torch.optim.SGD(reference_net.parameters(), lr=0.1, momentum=0.5)
+    for s in range(6):
+        x, y, _ = batch(s)
+        ((reference_net(x) - y) ** 2).mean().backward()
+        reference_opt.step()
+        reference_opt.zero_grad()
+    for key, value in reference_net.state_dict().items():
+        torch.testing.assert_close(net.state_dict()[key], value, rtol=0, atol=1e-12)
+    # Reductions keep their single-process meaning with every worker present.
+    v = mirrored.PerReplica([torch.tensor([1.0, 2.0]), torch.tensor([6.0])])
+    assert strategy.reduce("MEAN", v, axis=0).item() == 3.0
+    assert strategy.reduce("SUM", mirrored.PerReplica([torch.tensor(1), torch.tensor(2)])) == 3
+    assert strategy.gather(v, axis=0).tolist() == [1.0, 2.0, 6.0]
+    with pytest.raises(RuntimeError, match="an elastic distributed dataset is iterated once"):
+        next(iter(dataset))
+    with pytest.raises(NotImplementedError, match="distribute_datasets_from_function"):
+        strategy.distribute_datasets_from_function(lambda ctx: [torch.ones(2)])
+
+
+@pytest.mark.timeout(60)
+def test_one_optimizer_step_per_step_and_no_overlap(one_worker):
+    strategy = one_worker
+    with strategy.scope():
+        net = strategy.mirror(model(0))
+        opt = strategy.mirror_optimizer(net, lambda p: torch.optim.SGD(p, lr=0.1))
+        with pytest.raises(ValueError, match=r"overlap=True\) is not available"):
+            strategy.mirror_optimizer(net, lambda p: torch.optim.SGD(p, lr=0.1), overlap=True)
+    x = mirrored.PerReplica([torch.ones(1, 3, dtype=torch.float64)] * 2)
+
+    def twice(x: torch.Tensor) -> None:
+        for _ in range(2):
+            net(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    with pytest.raises(RuntimeError, match="an elastic step has one optimizer step"):
+        strategy.run(twice, args=(x,))
+
+
+def test_bad_arguments():
+    make = elastic.ElasticMirroredStrategy
+    with pytest.raises(ValueError, match=r"worker_index must be in 0\.\.1; got 2"):
+        make("http://127.0.0.1:1", worker_index=2, num_workers=2)
+    with pytest.raises(TypeError, match="num_workers must be an int"):
+        make("http://127.0.0.1:1", worker_index=0, num_workers=2.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"min_workers \(3\) cannot exceed num_workers \(2\)"):
+        make("http://127.0.0.1:1", worker_index=0, num_workers=2, min_workers=3)
+    with pytest.raises(ValueError, match="at least 2 replicas in all"):
+        make("http://127.0.0.1:1", worker_index=0, num_workers=1)

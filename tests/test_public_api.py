@@ -53,7 +53,8 @@ def test_public_names_snapshot():
         assert getattr(mirrored, name).__module__.startswith("mirrored")
     assert set(mirrored.experimental.__all__) == {"CommunicationImplementation",
                                                   "CommunicationOptions"}
-    assert set(mirrored.elastic.__all__) == {"ElasticTrainer", "Lighthouse", "StepInfo"}
+    assert set(mirrored.elastic.__all__) == {"ElasticMirroredStrategy", "ElasticTrainer",
+                                             "Lighthouse", "StepInfo"}
 
 
 def test_public_modules_only_reexport():

@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import logging
 import socket
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -71,6 +72,11 @@ class ElasticSession:
     def __init__(self, *, lighthouse_address: str, worker_index: int, min_workers: int,
                  timeout_seconds: float, quorum_timeout_seconds: float) -> None:
         require_torchft("ElasticMirroredStrategy")
+        # torchft 0.2.0 logs with the deprecated Logger.warn in every reconfiguration on a
+        # build without NCCL's flight recorder (Manager._async_quorum); where warnings are
+        # errors (-W error, pytest) that exception makes every quorum fail.
+        warnings.filterwarnings("ignore", message="The 'warn' method is deprecated",
+                                category=DeprecationWarning)
         manager_module = importlib.import_module("torchft.manager")  # untyped package
         process_groups = importlib.import_module("torchft.process_group")
         timeout = timedelta(seconds=timeout_seconds)

@@ -1,18 +1,20 @@
-"""Train a small CNN on scikit-learn's digits with elastic data parallelism (torchft):
-a worker that dies is left out of the next step, and one started again rejoins with a
-healthy peer's state; the others never restart.
+"""Train a small CNN on scikit-learn's digits with elastic data parallelism: the mirrored
+loop on `mirrored.elastic.ElasticMirroredStrategy` (torchft underneath). A worker that
+dies is left out of the next step; one started again rejoins with a healthy peer's
+state; the others never restart.
 
     torchft_lighthouse --min_replicas 2 --bind 127.0.0.1:29510 --join_timeout_ms 1000 &
     for i in 0 1 2; do
-        python examples/train_digits_elastic.py --worker-id w$i &   # 3 workers
+        python examples/train_digits_elastic.py --worker-index $i --num-workers 3 &
     done
-    kill -9 %2                                             # lose one: the others go on
-    python examples/train_digits_elastic.py --worker-id w1   # it rejoins at a step boundary
+    kill -9 %3                                            # lose worker 1: the others go on
+    python examples/train_digits_elastic.py --worker-index 1 --num-workers 3  # rejoins
 
-Every step has one global batch (a function of the step, so every worker picks the
-same one); the workers in the step split it (`StepInfo.shard`), divide their summed
-loss by the global batch size, and `finish_step` sums the gradients over them: a
-step's gradient is that of the whole global batch, however many workers are alive.
+Each worker has `--replicas` local CPU replicas. Step s trains global batch s (a
+function of the step, so a rejoining worker finds its batch); the batch is split over
+the job's `num_workers x replicas` replicas, a missing worker's rows are skipped in
+that step, and `compute_average_loss` divides by the examples actually combined.
+BatchNorm normalizes with the statistics of the live replicas (`sync_batch_norm`).
 
 stdout: every 20 steps `step 40 workers 3 loss 0.1234`, then `test accuracy: 0.9xxx`.
 """
@@ -24,13 +26,17 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from torch import nn
 
+import mirrored
 from mirrored import elastic
 
 # -----------------------------------------------------------------------------
 # configuration
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--worker-id", required=True, help="this worker's name (reuse it on restart)")
+parser.add_argument("--worker-index", type=int, required=True,
+                    help="this worker's place in the job (a restart reuses it)")
+parser.add_argument("--num-workers", type=int, default=3, help="the job's nominal size")
+parser.add_argument("--replicas", type=int, default=2, help="local CPU replicas per worker")
 parser.add_argument("--lighthouse", default="http://127.0.0.1:29510")
 parser.add_argument("--min-workers", type=int, default=2)
 parser.add_argument("--steps", type=int, default=300)
@@ -50,40 +56,54 @@ x_train, y_train = images[split[:1437]], labels[split[:1437]]
 x_test, y_test = images[split[1437:]], labels[split[1437:]]
 
 
-def global_batch(step):
-    """The global batch of a step: the same on every worker, whenever it asks."""
-    g = torch.Generator().manual_seed(step)
-    idx = torch.randint(len(y_train), (args.batch_size,), generator=g)
-    return x_train[idx], y_train[idx]
+def global_batches():
+    """The whole training as one iterable: element s is the global batch of step s."""
+    for step in range(args.steps):
+        g = torch.Generator().manual_seed(step)
+        idx = torch.randint(len(y_train), (args.batch_size,), generator=g)
+        yield x_train[idx], y_train[idx]
 
 
 # -----------------------------------------------------------------------------
-# model (GroupNorm: BatchNorm statistics would differ between workers), optimizer
+# strategy, model, optimizer: the mirrored ones
 
-torch.manual_seed(0)  # (step 0 copies the first worker's values to all anyway)
-model = nn.Sequential(
-    nn.Conv2d(1, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.SiLU(),
-    nn.Conv2d(16, 32, 3, padding=1), nn.GroupNorm(8, 32), nn.SiLU(),
+strategy = elastic.ElasticMirroredStrategy(
+    args.lighthouse, worker_index=args.worker_index, num_workers=args.num_workers,
+    devices=[f"CPU:{i}" for i in range(args.replicas)], min_workers=args.min_workers)
+torch.manual_seed(0)  # (the first step gives every worker the first one's values anyway)
+net = nn.Sequential(
+    nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.SiLU(),
+    nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.SiLU(),
     nn.AvgPool2d(2), nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.SiLU(), nn.Linear(64, 10),
 )
-optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-trainer = elastic.ElasticTrainer(model, optimizer, lighthouse_address=args.lighthouse,
-                                 worker_id=args.worker_id, min_workers=args.min_workers)
+with strategy.scope():
+    model = strategy.mirror(net, sync_batch_norm=True)
+    optimizer = strategy.mirror_optimizer(
+        model, lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9))
+dataset = strategy.experimental_distribute_dataset(global_batches())
+
+
+def train_step(x, y):
+    loss = mirrored.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+    loss.backward()
+    optimizer.step()  # all-reduce, then torchft's commit vote: every live worker or none
+    optimizer.zero_grad()
+    return loss
+
 
 # -----------------------------------------------------------------------------
-# training loop: one quorum per step
+# training loop: a quorum per step, taken with the batch
 
-while trainer.step < args.steps:
-    info = trainer.start_step()  # who is in this step; a rejoining worker catches up here
-    x, y = info.shard(global_batch(info.index))
-    loss = F.cross_entropy(model(x), y, reduction="sum") / args.batch_size
-    loss.backward()
-    committed = trainer.finish_step()  # sum over the step's workers, then optimizer.step()
-    if committed and info.index % 20 == 0:
-        print(f"step {info.index} workers {info.num_workers} loss "
-              f"{loss.item() * info.num_workers:.4f}", flush=True)  # ~ the global mean
+for x, y in dataset:
+    step = strategy.elastic.step  # the job's step (a rejoining worker starts at the job's)
+    loss = strategy.reduce("SUM", strategy.run(train_step, args=(x, y)))
+    committed = strategy.elastic.step == step + 1  # else: the same batch comes again
+    if committed and step % 20 == 0:
+        print(f"step {step} workers {strategy.elastic.num_workers} loss {loss.item():.4f}",
+              flush=True)
 
+model.eval()
 with torch.no_grad():
     accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
 print(f"test accuracy: {accuracy:.4f}")
-trainer.close()
+strategy.close()

@@ -3,8 +3,10 @@ restart of the whole job from its last checkpoint, same model, same machine, one
 
     python benchmarks/bench_recovery.py
 
-(a) elastic: 3 `mirrored.elastic` workers train; worker 2 is SIGKILLed in step 30 and
-    started again (the survivors go on past step 80 until it is back). Reported: the
+(a) elastic: 3 workers train with `mirrored.elastic.ElasticMirroredStrategy` (the
+    mirrored loop on torchft); worker 2 is SIGKILLed in step 30 (after backward, before
+    the optimizer step) and started again (the survivors go on past step 80 until it is
+    back). Reported: the
     survivors' longest pause between two committed steps (against their median step),
     the steps they redid, and when the restarted worker was back in a step.
 (b) restart: ``torchrun --nproc-per-node=3 --max-restarts=1`` trains the same model
@@ -53,23 +55,30 @@ def model() -> nn.Module:
 
 def elastic_worker(index: int, address: str, kill_at: int | None, conn: Any) -> None:
     torch.set_num_threads(1)
-    net = model()
-    opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    trainer = elastic.ElasticTrainer(net, opt, lighthouse_address=address,
-                                     worker_id=f"w{index}", min_workers=2)
-    log = []
-    while True:  # past STEPS, until the restarted worker is back in a step
-        info = trainer.start_step()
-        x, y = info.shard(batch(info.index))
-        (((net(x) - y) ** 2).sum() / GLOBAL_BATCH).backward()
+    strategy = elastic.ElasticMirroredStrategy(address, worker_index=index, num_workers=3,
+                                               min_workers=2)
+    with strategy.scope():
+        net = strategy.mirror(model())
+        opt = strategy.mirror_optimizer(net, lambda p: torch.optim.SGD(p, lr=0.01))
+    dataset = strategy.experimental_distribute_dataset(batch(s) for s in itertools.count())
+
+    def step_fn(x: torch.Tensor, y: torch.Tensor) -> None:
+        mirrored.compute_average_loss(((net(x) - y) ** 2).squeeze(1)).backward()
         time.sleep(COMPUTE_SECONDS)
-        if info.index == kill_at:
+        if strategy.elastic.step == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
-        committed = trainer.finish_step()
-        log.append((info.index, committed, time.time()))
-        if committed and trainer.step >= STEPS and info.num_workers == 3:
+        opt.step()
+        opt.zero_grad()
+
+    log = []
+    for x, y in dataset:  # past STEPS, until the restarted worker is back in a step
+        step, workers = strategy.elastic.step, strategy.elastic.num_workers
+        strategy.run(step_fn, args=(x, y))
+        committed = strategy.elastic.step == step + 1
+        log.append((step, committed, time.time()))
+        if committed and strategy.elastic.step >= STEPS and workers == 3:
             break
-    trainer.close()
+    strategy.close()
     conn.send(log)
 
 

@@ -155,8 +155,10 @@ def run_restart() -> dict[str, float]:
         entries = [json.loads(line) for line in log.read_text().splitlines()]
     failed = next(e for e in entries if e[0] == "failed")
     first_after = next(e for e in entries if e[0] == 1)
+    before = [e[2] for e in entries if e[0] == 0]
+    gaps = sorted(b - a for a, b in itertools.pairwise(before))
     return {"restart_s": first_after[2] - failed[2], "resumed_at_step": first_after[1],
-            "steps_lost": failed[1] + 1 - first_after[1]}
+            "steps_lost": failed[1] + 1 - first_after[1], "median_step_s": gaps[len(gaps) // 2]}
 
 
 if __name__ == "__main__":
@@ -171,6 +173,7 @@ if __name__ == "__main__":
     b = run_restart()
     print(f"(b) torchrun restart: {b['restart_s']:.1f} s from the failure to the first step "
           f"of the restarted job; {b['steps_lost']} steps lost (resumed at step "
-          f"{b['resumed_at_step']}, checkpoint every 10)")
+          f"{b['resumed_at_step']}, checkpoint every 10); median step "
+          f"{b['median_step_s']:.3f} s (MultiWorkerMirroredStrategy, no failure)")
     print(f"survivors' pause: elastic {a['pause_s']:.2f} s vs restart {b['restart_s']:.1f} s "
           f"({b['restart_s'] / a['pause_s']:.0f}x)")

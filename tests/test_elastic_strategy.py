@@ -99,7 +99,7 @@ def _worker(index: int, address: str, seed: int, kill_at: int | None, start: Any
         if strategy.elastic.step >= STEPS:
             time.sleep(0.05)  # past STEPS, waiting for the restarted worker: fewer steps
     equal = all(torch.equal(a, b) for a, b in zip(net.replicas[0].parameters(),
-                                                   net.replicas[1].parameters()))
+                                                   net.replicas[1].parameters(), strict=True))
     conn.send({"state": {k: v.tolist() for k, v in net.state_dict().items()},
                "step": strategy.elastic.step, "log": log, "local_equal": equal})
     conn.close()
@@ -286,6 +286,11 @@ def test_one_optimizer_step_per_step_and_no_overlap(one_worker):
         opt = strategy.mirror_optimizer(net, lambda p: torch.optim.SGD(p, lr=0.1))
         with pytest.raises(ValueError, match=r"overlap=True\) is not available"):
             strategy.mirror_optimizer(net, lambda p: torch.optim.SGD(p, lr=0.1), overlap=True)
+        counted = model(0)
+        counted.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+        counted_copies = strategy.mirror(counted)
+        with pytest.raises(ValueError, match=r"no buffer can be taken from replica 0.*'calls'"):
+            strategy.mirror_optimizer(counted_copies, lambda p: torch.optim.SGD(p, lr=0.1))
     x = mirrored.PerReplica([torch.ones(1, 3, dtype=torch.float64)] * 2)
 
     def twice(x: torch.Tensor) -> None:

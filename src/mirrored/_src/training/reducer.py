@@ -69,6 +69,16 @@ class GradientReducer:
         self._stats = tuple(module.averaged_buffers(r) for r in range(local))
         self._sync = tuple(BufferSync(buffers, other_buffers(c), n) for c in module.replicas)
         self._names = names + [name for name, _ in self._sync[0].fingerprinted()]
+        if self._steps is not None:  # elastic: replica 0's worker may be missing
+            from_first = [name for m, attr, name in self._sync[0].owners
+                          if (t := m._buffers[attr]) is not None
+                          and (buffers == "broadcast" or not t.is_floating_point())]
+            if from_first:
+                raise ValueError(
+                    f"under an elastic strategy no buffer can be taken from replica 0, whose "
+                    f"worker may be missing from a step; {from_first} would be (buffers="
+                    f"{buffers!r}). Use buffers='average' with floating-point buffers, or "
+                    "buffers='off' and keep them equal yourself")
         self._watch = GradientWatch(params) if n > 1 and check != "off" else None
         self.reduced = [False] * local  # the replica's gradients are all-reduced already
         self.seq = [0] * local  # all-reduces made by each replica (equal on every one)
@@ -153,11 +163,13 @@ class GradientReducer:
             fingerprint(watched, self._check, meta[n + g * width:n + (g + 1) * width])
         stats = self._stats[r]
         sends = sync.send(g)
+        live: int | None = None  # elastic: the replicas of the step
         if buckets is None:
             reduced = ctx.all_reduce("SUM", [*grads, meta, *stats, *sends])
             self.seq[r] += 1
-            live = self._live(ctx, r, reduced[n]) if self._steps is not None else None
-            if live is not None and not live:  # not committed: nothing of this step is used
+            if self._steps is not None:
+                live = self._live(ctx, r, reduced[n])
+            if live == 0:  # not committed: nothing of this step is used
                 return
             for p, t in zip(params, reduced[:n], strict=True):
                 p.grad = t

@@ -321,3 +321,48 @@ def test_bad_arguments():
         make("http://127.0.0.1:1", worker_index=0, num_workers=2, min_workers=3)
     with pytest.raises(ValueError, match="at least 2 replicas in all"):
         make("http://127.0.0.1:1", worker_index=0, num_workers=1)
+
+
+class _Work:
+    def wait(self) -> None:
+        pass
+
+
+class _OneStepApart:
+    """A torchft Manager stand-in whose all-reduce SUM adds a second worker that is one
+    step (and one dataset element) ahead in the same quorum."""
+
+    def __init__(self) -> None:
+        self.reported: list[Exception] = []
+        self._quorum_id = 3
+
+    def current_step(self) -> int:
+        return 5
+
+    def allreduce(self, tensor: torch.Tensor, reduce_op: Any) -> _Work:
+        one, step, step2, element, element2, quorum, quorum2 = tensor.tolist()
+        tensor.copy_(torch.tensor([one + 1, step + 6, step2 + 36, element + 6, element2 + 36,
+                                   quorum + 3, quorum2 + 9]))
+        return _Work()
+
+    def errored(self) -> None:
+        return None
+
+    def report_error(self, error: Exception) -> None:
+        self.reported.append(error)
+
+    def should_commit(self) -> bool:
+        return not self.reported
+
+
+def test_a_step_whose_workers_are_at_different_steps_is_not_committed(caplog):
+    from mirrored._src.elastic.session import ElasticSession
+    session = ElasticSession.__new__(ElasticSession)  # the vote only, on a stand-in
+    manager = _OneStepApart()
+    session._manager = manager
+    session._open, session.element = True, 5
+    with caplog.at_level("ERROR", logger="mirrored"):
+        assert session.commit() is False
+    assert [str(e) for e in manager.reported] == [
+        "the workers of the step differ in step, dataset element"]
+    assert "differ in step, dataset element; not committed" in caplog.text

@@ -144,6 +144,9 @@ class _Task:
                 elif owner == "caller":
                     self._finish_locked(i)
 
+    def unclaimed(self, index: int) -> bool:
+        return self._owner[index] is None  # a read: claim decides under the lock
+
     def claimed_by_worker(self, index: int) -> bool:
         with self._lock:
             return self._owner[index] == "worker"
@@ -180,9 +183,11 @@ class _Worker:
 
     def publish(self, task: object) -> None:
         self.task = task
-        # Only the executor's caller releases `wake`, so `locked()` cannot turn False
-        # underneath us: either the worker has a pending wake (it will read the task
-        # published above), or we give it one.
+        # Only one thread at a time releases `wake` (the executor's caller at the start
+        # of a run or at close; in a baton run, whoever hands the baton over, under the
+        # rendezvous lock), so `locked()` cannot turn False underneath us: either the
+        # worker has a pending wake (it will read the task published above), or we give
+        # it one.
         if self.wake.locked():
             self.wake.release()
 
@@ -241,11 +246,35 @@ class Executor:
         self._workers = []
         self._current = None
 
+    def start_next(self, *, wake: bool) -> bool:
+        """Baton runs: whether a replica of the run in progress is still unclaimed; with
+        ``wake``, the lowest one's thread is woken to run it (`Starter`)."""
+        task = self._current
+        if task is None:
+            return False
+        for worker in self._workers:
+            if task.unclaimed(worker.index):
+                if wake:
+                    worker.publish(task)
+                return True
+        return False
+
+    def start_all(self) -> None:
+        """Wakes the thread of every replica of the run in progress not yet claimed."""
+        task = self._current
+        if task is not None:
+            for worker in self._workers:
+                if task.unclaimed(worker.index):
+                    worker.publish(task)
+
     def run(self, call: Callable[[int], Any], on_exit: Callable[[int, BaseException | None],
             None], on_abort: Callable[[str], None], *, grace: float,
-            straggler_wait: float) -> tuple[list[Any], list[ReplicaFailure]]:
+            straggler_wait: float, baton: bool = False) -> tuple[list[Any], list[ReplicaFailure]]:
         """Runs ``call(i)`` for every replica and waits for them.
 
+        ``baton``: wake no thread now; the rendezvous starts replicas as the ones
+        running wait or return (`start_next`), and the caller runs those still
+        unclaimed when it is free (see the module docstring).
         ``on_exit(i, error)`` runs on replica ``i``'s thread right after its call.
         Failures are returned, not raised, except an interrupt of the caller: then
         ``on_abort(message)`` releases the replicas from their collectives, the
@@ -268,7 +297,10 @@ class Executor:
         self._timeout_hint = None
         try:
             for worker in self._workers:
-                worker.publish(task)
+                if baton:
+                    worker.task = task  # read when the rendezvous wakes the thread
+                else:
+                    worker.publish(task)
             if self._caller_runs:
                 for i in range(n):
                     if task.has_interrupt():

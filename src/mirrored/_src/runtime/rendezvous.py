@@ -26,14 +26,14 @@ import _thread
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, ReplicaAbortedError
 from .contract import Arrival, CollectiveFailure, Failure, Raise, describe_call, mismatch_message
 
-__all__ = ["Rendezvous"]
+__all__ = ["Rendezvous", "Starter"]
 
 _record = torch.autograd.profiler.record_function
 
@@ -41,6 +41,18 @@ SLICE = 0.1  # the longest untimed wait between checks for a pending interrupt
 
 P = TypeVar("P")
 R = TypeVar("R")
+
+
+class Starter(Protocol):
+    """Starts replicas that have not started yet (the executor), for baton runs."""
+
+    def start_next(self, *, wake: bool) -> bool:
+        """Whether a replica is still unstarted; with ``wake``, its thread is woken."""
+        ...
+
+    def start_all(self) -> None:
+        """Wakes the thread of every unstarted replica."""
+        ...
 
 
 class _Slot:
@@ -64,11 +76,19 @@ class Rendezvous:
     """
 
     def __init__(self, labels: Sequence[str],
-                 on_timeout: Callable[[float], None] | None = None) -> None:
+                 on_timeout: Callable[[float], None] | None = None,
+                 starter: Starter | None = None) -> None:
         self._labels = tuple(labels)
         self._n = len(self._labels)
         self._on_timeout = on_timeout
+        self._starter = starter
         self._lock = threading.Lock()
+        # Baton runs (see `start`): the slots whose wake-up is deferred, the thread of
+        # the caller of run, and a counter of hand-overs the watchdog reads.
+        self._baton = False
+        self._deferred: list[_Slot] = []
+        self._caller = 0
+        self.progress = 0
         self._generation = 0
         self._combine_threads: int | None = None
         self._profiling = False
@@ -80,13 +100,19 @@ class Rendezvous:
         self._exited = [False] * self._n
         self._broken: Failure | None = None
 
-    def start(self, combine_threads: int | None = None, profiling: bool = False) -> int:
+    def start(self, combine_threads: int | None = None, profiling: bool = False,
+              baton: bool = False) -> int:
         """Starts a new run; returns its generation. ``combine_threads``: the intra-op
         thread count the combining replica uses (everyone else waits meanwhile);
-        ``profiling``: record profiler ranges for this run's waits and combines."""
+        ``profiling``: record profiler ranges for this run's waits and combines;
+        ``baton``: one replica runs at a time (see `hand_over`)."""
         with self._lock:
             self._combine_threads = combine_threads
             self._profiling = profiling
+            self._baton = baton
+            self._deferred = []
+            self._caller = threading.get_ident()
+            self.progress += 1
             self._generation += 1
             self._active = True
             self._round = [None] * self._n
@@ -100,7 +126,48 @@ class Rendezvous:
         """Ends the current run: later calls from its replicas are refused."""
         with self._lock:
             self._active = False
+            self._baton = False
             self._round = [None] * self._n
+            self._release_deferred_locked()
+
+    # ------------------------------------------------------------- baton
+    def _hand_over_locked(self, exiting: bool) -> None:
+        """The replica holding the baton waits at a collective or returned: the next one
+        runs. A replica whose collective completed resumes first (its deferred wake-up),
+        else an unstarted replica starts on its thread; when the caller of run returned
+        from a replica it runs the unstarted ones itself (no wake-up at all)."""
+        self.progress += 1
+        starter = self._starter
+        if exiting and starter is not None and threading.get_ident() == self._caller \
+                and starter.start_next(wake=False):
+            return  # the caller claims the next unstarted replica
+        if self._deferred:
+            self._deferred.pop(0).wake.release()
+        elif starter is not None:
+            starter.start_next(wake=True)
+
+    def _release_deferred_locked(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for slot in deferred:
+            slot.wake.release()
+
+    def baton_state(self) -> tuple[bool, int]:
+        """Whether a baton run is in flight, and the count of hand-overs (`Watchdog`)."""
+        return self._baton and self._active, self.progress
+
+    def concurrent(self) -> None:
+        """Ends the baton of the current run: every replica runs from now on (the
+        watchdog saw no hand-over for a while)."""
+        with self._lock:
+            if self._concurrent_locked() and self._starter is not None:
+                self._starter.start_all()
+
+    def _concurrent_locked(self) -> bool:
+        if not self._baton:
+            return False
+        self._baton = False
+        self._release_deferred_locked()
+        return True
 
     # ----------------------------------------------------------- exchange
     def exchange(self, generation: int, index: int, arrival: Arrival[P, R],
@@ -141,6 +208,8 @@ class Rendezvous:
                 self._count = 0
                 self._completing = slots
                 self._completer = threading.get_ident()
+            elif self._baton:
+                self._hand_over_locked(False)
         if not self._profiling:
             if last:
                 self._complete(index, slots)
@@ -190,7 +259,10 @@ class Rendezvous:
                 slot.result = broken if broken is not None else results[j]
                 slot.done = True
                 if j != index:
-                    slot.wake.release()
+                    if self._baton:  # it resumes when this replica hands the baton over
+                        self._deferred.append(slot)
+                    else:
+                        slot.wake.release()
             self._completing = ()
         if interrupt is not None:
             raise interrupt
@@ -267,6 +339,8 @@ class Rendezvous:
         if self._broken is not None:
             return
         self._broken = Failure(error_type, message)
+        if self._concurrent_locked() and self._starter is not None:
+            self._starter.start_all()  # every replica runs to its end now
         for j, slot in enumerate(self._round):
             if slot is not None:
                 self._round[j] = None
@@ -284,6 +358,8 @@ class Rendezvous:
             if generation != self._generation or not self._active:
                 return  # a straggler of an abandoned run
             self._exited[index] = True
+            if self._baton and error is None:
+                self._hand_over_locked(True)
             if self._broken is not None or (error is None and not self._count):
                 return
             waiting = {j: s.arrival for j, s in enumerate(self._round) if s is not None}

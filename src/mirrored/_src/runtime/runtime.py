@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar, final
@@ -38,6 +39,7 @@ from .executor import Executor, ReplicaAbandoned, ReplicaFailure
 from .random import RandomStreams, drop_stale_modes
 from .rendezvous import Rendezvous
 from .thread_state import ThreadState, capture, in_caller_context, refused_modes
+from .watchdog import Watchdog
 
 __all__ = ["InlineRuntime", "Runtime", "ThreadRuntime"]
 
@@ -46,6 +48,7 @@ R = TypeVar("R")
 
 GRACE_SECONDS = 0.5  # how long run waits for the others once a run is given up
 MISUSE_SECONDS = 2.0  # how long run waits for another run of the same strategy
+BATON_SECONDS = 1e-3  # a run after one shorter than this is a baton run
 
 _thread_profiled = torch._C._autograd._profiler_enabled
 _record = torch.autograd.profiler.record_function
@@ -205,6 +208,7 @@ class ThreadRuntime:
         self._timeout = timeout_seconds
         self._local = threading.local()  # .generation: the run a replica thread serves
         self._split_threads = self._n > 1 and all(d.kind == "CPU" for d in topology.devices)
+        self._baton = self._split_threads and timeout_seconds is None
         self._streams = RandomStreams(topology.replica_ids) if (
             per_replica_random and self._n > 1
             and all(d.kind == "CPU" for d in topology.devices)) else None
@@ -218,7 +222,11 @@ class ThreadRuntime:
         executor = Executor(self._topology.labels, self._name,
                             caller_runs=self._timeout is None)
         self._executor = executor
-        self._rendezvous = Rendezvous(self._topology.labels, on_timeout=executor.timed_out)
+        rendezvous = Rendezvous(self._topology.labels, on_timeout=executor.timed_out,
+                                starter=executor)
+        self._rendezvous = rendezvous
+        self._watchdog = Watchdog(rendezvous.baton_state, rendezvous.concurrent, self._name)
+        self._last_seconds = 0.0  # the wall time of the previous run
         # An RLock knows its owner: an interrupt between acquiring it and entering the
         # try that releases it leaves it owned by the caller's thread, which takes it
         # back on its next run; no other thread ever releases it.
@@ -266,8 +274,14 @@ class ThreadRuntime:
             rendezvous = self._rendezvous
             # Everyone else waits while one replica combines: it may use the caller's
             # whole intra-op thread budget for that.
+            # A baton run (one replica at a time, threads woken only when one waits at a
+            # collective) when the previous run was short: see docs/design.md.
+            baton = self._baton and self._last_seconds < BATON_SECONDS
+            if baton:
+                self._watchdog.arm()
+            start = time.perf_counter()
             generation = run.generation = rendezvous.start(
-                full if self._split_threads else None, run.profiling)
+                full if self._split_threads else None, run.profiling, baton)
             if self._streams is not None:
                 self._streams.start_run()
             if run.threads != full:
@@ -277,9 +291,10 @@ class ThreadRuntime:
                     in_caller_context(run.replica, self._n),  # torch's compile config
                     lambda i, error: rendezvous.replica_exited(generation, i, error),
                     rendezvous.abort, grace=GRACE_SECONDS,
-                    straggler_wait=self._timeout or GRACE_SECONDS)
+                    straggler_wait=self._timeout or GRACE_SECONDS, baton=baton)
             finally:
                 rendezvous.finish()
+                self._last_seconds = time.perf_counter() - start
         finally:
             self._running = False
             self._run_lock.release()
@@ -334,6 +349,7 @@ class ThreadRuntime:
                 "run is in progress (e.g. a thread started inside the step function); close "
                 "the strategy after run returns")
         self._executor.close()
+        self._watchdog.stop()
         if not self._closed:
             self._closed = True
             self._pool.release()  # emptied once no open strategy uses it

@@ -127,8 +127,10 @@ class Rendezvous:
         with self._lock:
             self._active = False
             self._baton = False
-            self._round = [None] * self._n
-            self._release_deferred_locked()
+            if self._count:
+                self._round = [None] * self._n
+            if self._deferred:
+                self._release_deferred_locked()
 
     # ------------------------------------------------------------- baton
     def _hand_over_locked(self, exiting: bool) -> None:

@@ -20,6 +20,7 @@ function are `torch.profiler.record_function` ranges.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import os
 import threading
@@ -38,7 +39,7 @@ from .contract import Arrival, CollectiveFailure
 from .executor import Executor, ReplicaAbandoned, ReplicaFailure
 from .random import RandomStreams, drop_stale_modes
 from .rendezvous import Rendezvous
-from .thread_state import ThreadState, capture, in_caller_context, refused_modes
+from .thread_state import ThreadState, capture, refused_modes
 from .watchdog import Watchdog
 
 __all__ = ["InlineRuntime", "Runtime", "ThreadRuntime"]
@@ -48,7 +49,7 @@ R = TypeVar("R")
 
 GRACE_SECONDS = 0.5  # how long run waits for the others once a run is given up
 MISUSE_SECONDS = 2.0  # how long run waits for another run of the same strategy
-BATON_SECONDS = 1e-3  # a run after one shorter than this is a baton run
+BATON_SECONDS = 1e-3  # a run after one of the last two was shorter is a baton run
 
 _thread_profiled = torch._C._autograd._profiler_enabled
 _record = torch.autograd.profiler.record_function
@@ -127,8 +128,8 @@ class _Run:
     """One ``run``'s calls and what a replica thread needs of the caller's state. A
     fresh one per run: a straggler of an abandoned run keeps its own."""
 
-    __slots__ = ("call", "caller_device", "caller_thread", "devices", "fn", "generation",
-                 "local", "profiling", "state", "streams", "threads")
+    __slots__ = ("call", "caller_device", "caller_thread", "context", "devices", "fn",
+                 "generation", "local", "profiling", "state", "streams", "threads")
 
     def __init__(self, call: Callable[[int], Any], fn: Callable[..., Any] | None,
                  runtime: ThreadRuntime, threads: int, state: ThreadState | None,
@@ -142,11 +143,19 @@ class _Run:
         self.state = state  # None: the caller's thread state is plain
         self.caller_device = caller_device
         self.caller_thread = threading.get_ident()
+        # torch keeps the user's compile settings in context variables: a replica on
+        # another thread runs in a copy of the caller's (see `thread_state`).
+        self.context = contextvars.copy_context()
         self.profiling = profiling
         self.generation = 0
 
     def replica(self, i: int) -> Any:
         """Runs replica ``i`` on this thread (the caller's or a replica thread)."""
+        if threading.get_ident() == self.caller_thread:
+            return self._replica(i, True)
+        return self.context.copy().run(self._replica, i, False)
+
+    def _replica(self, i: int, on_caller: bool) -> Any:
         local = self.local
         local.generation = self.generation
         try:
@@ -155,7 +164,7 @@ class _Run:
                 # The common case. The caller's thread has the caller's state and its
                 # thread count (set by run); a replica thread has torch's defaults,
                 # which a plain caller state is.
-                if threading.get_ident() == self.caller_thread:
+                if on_caller:
                     return self._call(i)
                 if self.state is None:
                     if torch.get_num_threads() != self.threads:
@@ -177,13 +186,11 @@ class _Run:
         if not self.profiling:
             if streams is None:
                 return self.call(i)
-            with streams.mode(i):
-                return self.call(i)
+            return streams.call(i, self.call)
         with _record(f"mirrored.replica {i}: {_fn_name(self.fn)}"):
             if streams is None:
                 return self.call(i)
-            with streams.mode(i):
-                return self.call(i)
+            return streams.call(i, self.call)
 
 
 _runtimes: weakref.WeakSet[ThreadRuntime] = weakref.WeakSet()
@@ -226,7 +233,7 @@ class ThreadRuntime:
                                 starter=executor)
         self._rendezvous = rendezvous
         self._watchdog = Watchdog(rendezvous.baton_state, rendezvous.concurrent, self._name)
-        self._last_seconds = 0.0  # the wall time of the previous run
+        self._last_seconds = (0.0, 0.0)  # the wall times of the previous two runs
         # An RLock knows its owner: an interrupt between acquiring it and entering the
         # try that releases it leaves it owned by the caller's thread, which takes it
         # back on its next run; no other thread ever releases it.
@@ -276,7 +283,7 @@ class ThreadRuntime:
             # whole intra-op thread budget for that.
             # A baton run (one replica at a time, threads woken only when one waits at a
             # collective) when the previous run was short: see docs/design.md.
-            baton = self._baton and self._last_seconds < BATON_SECONDS
+            baton = self._baton and min(self._last_seconds) < BATON_SECONDS
             if baton:
                 self._watchdog.arm()
             start = time.perf_counter()
@@ -288,13 +295,12 @@ class ThreadRuntime:
                 torch.set_num_threads(run.threads)  # for the replicas run on this thread
             try:
                 results, failures = self._executor.run(
-                    in_caller_context(run.replica, self._n),  # torch's compile config
-                    lambda i, error: rendezvous.replica_exited(generation, i, error),
+                    run.replica, lambda i, error: rendezvous.replica_exited(generation, i, error),
                     rendezvous.abort, grace=GRACE_SECONDS,
                     straggler_wait=self._timeout or GRACE_SECONDS, baton=baton)
             finally:
                 rendezvous.finish()
-                self._last_seconds = time.perf_counter() - start
+                self._last_seconds = (self._last_seconds[1], time.perf_counter() - start)
         finally:
             self._running = False
             self._run_lock.release()

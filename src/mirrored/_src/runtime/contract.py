@@ -15,7 +15,7 @@ from .. import pytree
 from ..reduction import describe_spec
 
 __all__ = ["Arrival", "CallSpec", "CollectiveFailure", "Failure", "Raise", "describe_call",
-           "mismatch_message"]
+           "early_exit_message", "mismatch_message"]
 
 P = TypeVar("P")
 R = TypeVar("R")
@@ -130,3 +130,20 @@ def mismatch_message(calls: Sequence[CallSpec], labels: Sequence[str]) -> str | 
     return f"{first.title} got mismatched calls: {headline}:\n" + "\n".join(lines)
 
 
+def early_exit_message(labels: Sequence[str], exited: Sequence[int],
+                       waiting: dict[int, Arrival[Any, Any]]) -> str:
+    """Why a collective can never complete: replicas ``exited`` returned from their
+    function while the replicas in ``waiting`` wait in it."""
+    first = waiting[min(waiting)]
+    names = ", ".join(labels[j] for j in exited)
+    lines = []
+    for j, label in enumerate(labels):
+        if j in waiting:
+            lines.append(f"  {label}: waiting in {describe_call(waiting[j].call, None)}")
+        elif j in exited:
+            lines.append(f"  {label}: returned from its function")
+        else:
+            lines.append(f"  {label}: still running")
+    return (f"{first.title} at {first.site} can never complete: {names} returned from its "
+            "function without calling it, while other replicas wait in it. Every replica "
+            "must make the same collective calls in the same order\n" + "\n".join(lines))

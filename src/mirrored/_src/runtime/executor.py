@@ -1,4 +1,4 @@
-"""The only module with threads: runs one call per replica, concurrently.
+"""The replica threads: runs one call per replica, concurrently or with a baton.
 
 An `Executor` owns persistent daemon threads, started on first use. Each ``run``
 is a `_Task` with one *claim* per replica::
@@ -15,10 +15,17 @@ is a `_Task` with one *claim* per replica::
 Replica 0 runs on the calling thread (unless ``caller_runs=False``: then every
 replica has a thread and the caller only waits, so ``run`` can return even when
 a replica is stuck in user code), and a replica whose thread has not woken up by
-the time the caller is free runs on the caller too. Waking a thread costs tens of
-microseconds, so a trivial step never waits for a wake-up. Stealing is safe for
+the time the caller is free runs on the caller too. Stealing is safe for
 collectives: the caller steals only after replica 0 returned, and a collective
 needs every replica at once.
+
+A *baton* run (``baton=True``) wakes no thread at the start: the task is only
+attached to the threads, and the rendezvous wakes the thread of the next
+unclaimed replica (`start_next`) when the replica running waits at a collective
+or returns on a replica thread; a replica returning on the caller's thread lets
+the caller claim the next one itself. A trivial step therefore never wakes a
+thread, and a step with collectives wakes one thread per hand-over instead of
+letting every woken thread fight for the GIL at each torch op.
 
 A replica still running when ``run`` gives up (after a broken rendezvous plus
 ``grace``, or after an interrupt) is a *straggler*: its later outcome is dropped,

@@ -14,6 +14,10 @@ a replica of an abandoned run (a straggler) that reaches a collective later is
 refused, so it can never meet the replicas of the next run. Leaving a wait because
 of an interrupt withdraws the slot (or marks it done) without waiting for anything.
 
+In a *baton* run one replica runs at a time: an arrival that is not the last hands
+the baton over before it waits (a completed replica resumes, else the executor
+starts an unstarted one), the last one combines and goes on while the others'
+wake-ups are deferred until it waits or returns. A break ends the baton.
 While a profiler is active (checked once per run), each replica's wait and the
 combine are `torch.profiler.record_function` ranges named
 ``mirrored.<collective> wait|combine [replica i] at <call site>``: in a trace, the
@@ -31,7 +35,14 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, ReplicaAbortedError
-from .contract import Arrival, CollectiveFailure, Failure, Raise, describe_call, mismatch_message
+from .contract import (
+    Arrival,
+    CollectiveFailure,
+    Failure,
+    Raise,
+    early_exit_message,
+    mismatch_message,
+)
 
 __all__ = ["Rendezvous", "Starter"]
 
@@ -46,13 +57,9 @@ R = TypeVar("R")
 class Starter(Protocol):
     """Starts replicas that have not started yet (the executor), for baton runs."""
 
-    def start_next(self, *, wake: bool) -> bool:
-        """Whether a replica is still unstarted; with ``wake``, its thread is woken."""
-        ...
+    def start_next(self, *, wake: bool) -> bool: ...  # one unstarted? (woken if wake)
 
-    def start_all(self) -> None:
-        """Wakes the thread of every unstarted replica."""
-        ...
+    def start_all(self) -> None: ...  # wakes the thread of every unstarted replica
 
 
 class _Slot:
@@ -105,7 +112,7 @@ class Rendezvous:
         """Starts a new run; returns its generation. ``combine_threads``: the intra-op
         thread count the combining replica uses (everyone else waits meanwhile);
         ``profiling``: record profiler ranges for this run's waits and combines;
-        ``baton``: one replica runs at a time (see `hand_over`)."""
+        ``baton``: one replica runs at a time (see `_hand_over_locked`)."""
         with self._lock:
             self._combine_threads = combine_threads
             self._profiling = profiling
@@ -192,7 +199,7 @@ class Rendezvous:
             exited = [j for j in range(self._n) if self._exited[j]]
             if exited:
                 waiting = {j: s.arrival for j, s in enumerate(self._round) if s is not None}
-                message = self._early_exit_message(exited, {**waiting, index: arrival})
+                message = early_exit_message(self._labels, exited, {**waiting, index: arrival})
                 self._break_locked(CollectiveMismatchError, message)
                 raise CollectiveMismatchError(message)
             if self._completing and self._completer == threading.get_ident():
@@ -352,7 +359,6 @@ class Rendezvous:
                     slot.wake.release()
         self._count = 0
 
-
     # ------------------------------------------------------- replica exits
     def replica_exited(self, generation: int, index: int, error: BaseException | None) -> None:
         """Replica ``index`` of run ``generation`` returned (``error=None``) or raised."""
@@ -371,7 +377,7 @@ class Rendezvous:
                     f"{type(error).__name__}: {error}"))
             elif waiting:
                 self._break_locked(CollectiveMismatchError,
-                                   self._early_exit_message([index], waiting))
+                                   early_exit_message(self._labels, [index], waiting))
 
     def _outside_message(self, arrival: Arrival[Any, Any], generation: int) -> str:
         if self._active and generation and generation != self._generation:
@@ -381,23 +387,6 @@ class Rendezvous:
         return (f"{arrival.title} at {arrival.site} was called outside strategy.run: "
                 "collectives (and backward passes through them) must run inside the step "
                 "function, in every replica")
-
-    def _early_exit_message(self, exited: Sequence[int],
-                            waiting: dict[int, Arrival[Any, Any]]) -> str:
-        first = waiting[min(waiting)]
-        names = ", ".join(self._labels[j] for j in exited)
-        lines = []
-        for j in range(self._n):
-            if j in waiting:
-                lines.append(f"  {self._labels[j]}: waiting in "
-                             f"{describe_call(waiting[j].call, None)}")
-            elif j in exited:
-                lines.append(f"  {self._labels[j]}: returned from its function")
-            else:
-                lines.append(f"  {self._labels[j]}: still running")
-        return (f"{first.title} at {first.site} can never complete: {names} returned from its "
-                "function without calling it, while other replicas wait in it. Every replica "
-                "must make the same collective calls in the same order\n" + "\n".join(lines))
 
 
 def _take(slot: _Slot) -> Any:

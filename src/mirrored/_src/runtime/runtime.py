@@ -39,7 +39,7 @@ from .contract import Arrival, CollectiveFailure
 from .executor import Executor, ReplicaAbandoned, ReplicaFailure
 from .random import RandomStreams, drop_stale_modes
 from .rendezvous import Rendezvous
-from .thread_state import ThreadState, capture, refused_modes
+from .thread_state import ThreadState, capture, plain_thread, refused_modes
 from .watchdog import Watchdog
 
 __all__ = ["InlineRuntime", "Runtime", "ThreadRuntime"]
@@ -113,15 +113,6 @@ def _on_device(device: torch.device) -> Iterator[None]:
                 yield
         else:
             yield
-
-
-def _plain_thread() -> bool:
-    """Whether this thread has torch's defaults for a new thread (what a replica thread
-    has): grad on, no inference mode, no autocast, no saved-tensor hooks. Cheaper than
-    `capture` (no snapshot); see `ThreadState.is_plain`."""
-    return (torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
-            and not torch._C._is_any_autocast_enabled()
-            and torch._C._autograd._top_saved_tensors_default_hooks(False) is None)
 
 
 class _Run:
@@ -264,7 +255,7 @@ class ThreadRuntime:
         # N logical CPU replicas share the caller's intra-op budget: each runs with
         # get_num_threads() // N threads (at least 1), whichever thread runs it.
         threads = max(1, full // self._n) if self._split_threads else full
-        state = None if _plain_thread() else capture()
+        state = None if plain_thread() else capture()
         profiling = _profiling()
         run = _Run(call, fn, self, threads, state, current_device(), profiling)
         if profiling:

@@ -202,3 +202,30 @@ def test_the_watchdog_sleeps_between_bursts_and_stops_with_the_strategy(two):
     thread = dog._thread
     two.close()
     assert not thread.is_alive()
+
+
+def test_the_baton_ended_before_the_run_published_its_task_does_not_hang(two, monkeypatch):
+    # The watchdog can end the baton while run still waits for a straggler of an
+    # earlier run (before the task is published): then the run wakes every thread.
+    executor = _runtime(two)._executor
+    monkeypatch.setattr(executor, "_wait_for_stragglers",
+                        lambda: time.sleep(5 * watchdog.TICK))
+    out = run_as(two, True, lambda: mirrored.get_replica_context().all_reduce(
+        "SUM", torch.ones(())))
+    assert [t.item() for t in two.experimental_local_results(out)] == [2.0, 2.0]
+
+
+def test_a_collective_with_a_timeout_makes_a_baton_run_concurrent(two):
+    # The timeout measures how late the other replicas are, as in a concurrent run:
+    # a replica that sleeps before its collective is already running meanwhile.
+    options = mirrored.experimental.CommunicationOptions(timeout_seconds=5)
+
+    def fn() -> float:
+        if replica_id() == 1:
+            time.sleep(0.2)
+        return float(mirrored.get_replica_context().all_reduce(
+            "SUM", torch.ones(()), options=options))
+
+    out = run_as(two, True, fn)
+    assert two.experimental_local_results(out) == (2.0, 2.0)
+    assert not _runtime(two)._rendezvous.in_baton()

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
 from .. import pytree
 from ..reduction import describe_spec
 
-__all__ = ["Arrival", "CallSpec", "CollectiveFailure", "Failure", "Raise", "describe_call",
-           "early_exit_message", "mismatch_message"]
+__all__ = ["Arrival", "CallSpec", "CollectiveFailure", "Failure", "Raise", "Starter",
+           "describe_call", "early_exit_message", "mismatch_message"]
 
 P = TypeVar("P")
 R = TypeVar("R")
@@ -147,3 +147,16 @@ def early_exit_message(labels: Sequence[str], exited: Sequence[int],
     return (f"{first.title} at {first.site} can never complete: {names} returned from its "
             "function without calling it, while other replicas wait in it. Every replica "
             "must make the same collective calls in the same order\n" + "\n".join(lines))
+
+
+class Starter(Protocol):
+    """Starts replicas that have not started yet (the executor), for the rendezvous's
+    baton runs."""
+
+    def start_next(self, *, wake: bool) -> bool:
+        """Whether a replica is still unstarted; with ``wake``, its thread is woken."""
+        ...
+
+    def start_all(self) -> None:
+        """Wakes the thread of every unstarted replica."""
+        ...

@@ -24,8 +24,7 @@ attached to the threads, and the rendezvous wakes the thread of the next
 unclaimed replica (`start_next`) when the replica running waits at a collective
 or returns on a replica thread; a replica returning on the caller's thread lets
 the caller claim the next one itself. A trivial step therefore never wakes a
-thread, and a step with collectives wakes one thread per hand-over instead of
-letting every woken thread fight for the GIL at each torch op.
+thread, and a step with collectives wakes one thread per hand-over.
 
 A replica still running when ``run`` gives up (after a broken rendezvous plus
 ``grace``, or after an interrupt) is a *straggler*: its later outcome is dropped,
@@ -276,12 +275,14 @@ class Executor:
 
     def run(self, call: Callable[[int], Any], on_exit: Callable[[int, BaseException | None],
             None], on_abort: Callable[[str], None], *, grace: float,
-            straggler_wait: float, baton: bool = False) -> tuple[list[Any], list[ReplicaFailure]]:
+            straggler_wait: float, baton: Callable[[], bool] | None = None
+            ) -> tuple[list[Any], list[ReplicaFailure]]:
         """Runs ``call(i)`` for every replica and waits for them.
 
-        ``baton``: wake no thread now; the rendezvous starts replicas as the ones
-        running wait or return (`start_next`), and the caller runs those still
-        unclaimed when it is free (see the module docstring).
+        ``baton``: whether the run is (still) a baton run: then no thread is woken now;
+        the rendezvous starts replicas as the ones running wait or return
+        (`start_next`, `start_all`), and the caller runs those still unclaimed when it
+        is free (see the module docstring).
         ``on_exit(i, error)`` runs on replica ``i``'s thread right after its call.
         Failures are returned, not raised, except an interrupt of the caller: then
         ``on_abort(message)`` releases the replicas from their collectives, the
@@ -304,9 +305,10 @@ class Executor:
         self._timeout_hint = None
         try:
             for worker in self._workers:
-                if baton:
-                    worker.task = task  # read when the rendezvous wakes the thread
-                else:
+                worker.task = task  # read when the thread wakes
+            # (the watchdog may have ended the baton before `_current` was set)
+            if baton is None or not baton():
+                for worker in self._workers:
                     worker.publish(task)
             if self._caller_runs:
                 for i in range(n):

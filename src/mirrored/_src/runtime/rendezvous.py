@@ -30,7 +30,7 @@ import _thread
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -40,11 +40,12 @@ from .contract import (
     CollectiveFailure,
     Failure,
     Raise,
+    Starter,
     early_exit_message,
     mismatch_message,
 )
 
-__all__ = ["Rendezvous", "Starter"]
+__all__ = ["Rendezvous"]
 
 _record = torch.autograd.profiler.record_function
 
@@ -52,14 +53,6 @@ SLICE = 0.1  # the longest untimed wait between checks for a pending interrupt
 
 P = TypeVar("P")
 R = TypeVar("R")
-
-
-class Starter(Protocol):
-    """Starts replicas that have not started yet (the executor), for baton runs."""
-
-    def start_next(self, *, wake: bool) -> bool: ...  # one unstarted? (woken if wake)
-
-    def start_all(self) -> None: ...  # wakes the thread of every unstarted replica
 
 
 class _Slot:
@@ -90,8 +83,7 @@ class Rendezvous:
         self._on_timeout = on_timeout
         self._starter = starter
         self._lock = threading.Lock()
-        # Baton runs (see `start`): the slots whose wake-up is deferred, the thread of
-        # the caller of run, and a counter of hand-overs the watchdog reads.
+        # Baton runs: slots whose wake-up is deferred, the caller's thread, hand-overs.
         self._baton = False
         self._deferred: list[_Slot] = []
         self._caller = 0
@@ -160,13 +152,17 @@ class Rendezvous:
         for slot in deferred:
             slot.wake.release()
 
+    def in_baton(self) -> bool:  # whether the run in flight is (still) a baton run
+        return self._baton
+
     def baton_state(self) -> tuple[bool, int]:
         """Whether a baton run is in flight, and the count of hand-overs (`Watchdog`)."""
         return self._baton and self._active, self.progress
 
     def concurrent(self) -> None:
         """Ends the baton of the current run: every replica runs from now on (the
-        watchdog saw no hand-over for a while)."""
+        watchdog saw no hand-over for a while; also on a break, or at a collective
+        with a timeout, which measures how late the others are)."""
         with self._lock:
             if self._concurrent_locked() and self._starter is not None:
                 self._starter.start_all()
@@ -218,7 +214,10 @@ class Rendezvous:
                 self._completing = slots
                 self._completer = threading.get_ident()
             elif self._baton:
-                self._hand_over_locked(False)
+                if timeout is None:
+                    self._hand_over_locked(False)
+                elif self._concurrent_locked() and self._starter is not None:
+                    self._starter.start_all()  # a timeout measures the others' lateness
         if not self._profiling:
             if last:
                 self._complete(index, slots)

@@ -288,7 +288,8 @@ class ThreadRuntime:
                 results, failures = self._executor.run(
                     run.replica, lambda i, error: rendezvous.replica_exited(generation, i, error),
                     rendezvous.abort, grace=GRACE_SECONDS,
-                    straggler_wait=self._timeout or GRACE_SECONDS, baton=baton)
+                    straggler_wait=self._timeout or GRACE_SECONDS,
+                    baton=rendezvous.in_baton if baton else None)
             finally:
                 rendezvous.finish()
                 self._last_seconds = (self._last_seconds[1], time.perf_counter() - start)

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
 from .. import pytree
 from ..reduction import describe_spec
 
-__all__ = ["Arrival", "CallSpec", "CollectiveFailure", "Failure", "Raise", "describe_call",
-           "mismatch_message"]
+__all__ = ["Arrival", "CallSpec", "CollectiveFailure", "Failure", "Raise", "Starter",
+           "describe_call", "early_exit_message", "mismatch_message"]
 
 P = TypeVar("P")
 R = TypeVar("R")
@@ -130,3 +130,33 @@ def mismatch_message(calls: Sequence[CallSpec], labels: Sequence[str]) -> str | 
     return f"{first.title} got mismatched calls: {headline}:\n" + "\n".join(lines)
 
 
+def early_exit_message(labels: Sequence[str], exited: Sequence[int],
+                       waiting: dict[int, Arrival[Any, Any]]) -> str:
+    """Why a collective can never complete: replicas ``exited`` returned from their
+    function while the replicas in ``waiting`` wait in it."""
+    first = waiting[min(waiting)]
+    names = ", ".join(labels[j] for j in exited)
+    lines = []
+    for j, label in enumerate(labels):
+        if j in waiting:
+            lines.append(f"  {label}: waiting in {describe_call(waiting[j].call, None)}")
+        elif j in exited:
+            lines.append(f"  {label}: returned from its function")
+        else:
+            lines.append(f"  {label}: still running")
+    return (f"{first.title} at {first.site} can never complete: {names} returned from its "
+            "function without calling it, while other replicas wait in it. Every replica "
+            "must make the same collective calls in the same order\n" + "\n".join(lines))
+
+
+class Starter(Protocol):
+    """Starts replicas that have not started yet (the executor), for the rendezvous's
+    baton runs."""
+
+    def start_next(self, *, wake: bool) -> bool:
+        """Whether a replica is still unstarted; with ``wake``, its thread is woken."""
+        ...
+
+    def start_all(self) -> None:
+        """Wakes the thread of every unstarted replica."""
+        ...

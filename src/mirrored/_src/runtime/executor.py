@@ -1,4 +1,4 @@
-"""The only module with threads: runs one call per replica, concurrently.
+"""The replica threads: runs one call per replica, concurrently or with a baton.
 
 An `Executor` owns persistent daemon threads, started on first use. Each ``run``
 is a `_Task` with one *claim* per replica::
@@ -15,10 +15,16 @@ is a `_Task` with one *claim* per replica::
 Replica 0 runs on the calling thread (unless ``caller_runs=False``: then every
 replica has a thread and the caller only waits, so ``run`` can return even when
 a replica is stuck in user code), and a replica whose thread has not woken up by
-the time the caller is free runs on the caller too. Waking a thread costs tens of
-microseconds, so a trivial step never waits for a wake-up. Stealing is safe for
+the time the caller is free runs on the caller too. Stealing is safe for
 collectives: the caller steals only after replica 0 returned, and a collective
 needs every replica at once.
+
+A *baton* run (``baton=True``) wakes no thread at the start: the task is only
+attached to the threads, and the rendezvous wakes the thread of the next
+unclaimed replica (`start_next`) when the replica running waits at a collective
+or returns on a replica thread; a replica returning on the caller's thread lets
+the caller claim the next one itself. A trivial step therefore never wakes a
+thread, and a step with collectives wakes one thread per hand-over.
 
 A replica still running when ``run`` gives up (after a broken rendezvous plus
 ``grace``, or after an interrupt) is a *straggler*: its later outcome is dropped,
@@ -144,6 +150,9 @@ class _Task:
                 elif owner == "caller":
                     self._finish_locked(i)
 
+    def unclaimed(self, index: int) -> bool:
+        return self._owner[index] is None  # a read: claim decides under the lock
+
     def claimed_by_worker(self, index: int) -> bool:
         with self._lock:
             return self._owner[index] == "worker"
@@ -180,9 +189,11 @@ class _Worker:
 
     def publish(self, task: object) -> None:
         self.task = task
-        # Only the executor's caller releases `wake`, so `locked()` cannot turn False
-        # underneath us: either the worker has a pending wake (it will read the task
-        # published above), or we give it one.
+        # Only one thread at a time releases `wake` (the executor's caller at the start
+        # of a run or at close; in a baton run, whoever hands the baton over, under the
+        # rendezvous lock), so `locked()` cannot turn False underneath us: either the
+        # worker has a pending wake (it will read the task published above), or we give
+        # it one.
         if self.wake.locked():
             self.wake.release()
 
@@ -241,11 +252,37 @@ class Executor:
         self._workers = []
         self._current = None
 
+    def start_next(self, *, wake: bool) -> bool:
+        """Baton runs: whether a replica of the run in progress is still unclaimed; with
+        ``wake``, the lowest one's thread is woken to run it (`Starter`)."""
+        task = self._current
+        if task is None:
+            return False
+        for worker in self._workers:
+            if task.unclaimed(worker.index):
+                if wake:
+                    worker.publish(task)
+                return True
+        return False
+
+    def start_all(self) -> None:
+        """Wakes the thread of every replica of the run in progress not yet claimed."""
+        task = self._current
+        if task is not None:
+            for worker in self._workers:
+                if task.unclaimed(worker.index):
+                    worker.publish(task)
+
     def run(self, call: Callable[[int], Any], on_exit: Callable[[int, BaseException | None],
             None], on_abort: Callable[[str], None], *, grace: float,
-            straggler_wait: float) -> tuple[list[Any], list[ReplicaFailure]]:
+            straggler_wait: float, baton: Callable[[], bool] | None = None
+            ) -> tuple[list[Any], list[ReplicaFailure]]:
         """Runs ``call(i)`` for every replica and waits for them.
 
+        ``baton``: whether the run is (still) a baton run: then no thread is woken now;
+        the rendezvous starts replicas as the ones running wait or return
+        (`start_next`, `start_all`), and the caller runs those still unclaimed when it
+        is free (see the module docstring).
         ``on_exit(i, error)`` runs on replica ``i``'s thread right after its call.
         Failures are returned, not raised, except an interrupt of the caller: then
         ``on_abort(message)`` releases the replicas from their collectives, the
@@ -268,7 +305,11 @@ class Executor:
         self._timeout_hint = None
         try:
             for worker in self._workers:
-                worker.publish(task)
+                worker.task = task  # read when the thread wakes
+            # (the watchdog may have ended the baton before `_current` was set)
+            if baton is None or not baton():
+                for worker in self._workers:
+                    worker.publish(task)
             if self._caller_runs:
                 for i in range(n):
                     if task.has_interrupt():

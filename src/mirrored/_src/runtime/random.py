@@ -138,6 +138,7 @@ class RandomStreams:
         self._base: int | None = None
         self._generators: list[torch.Generator | None] = [None] * len(self._ids)
         self._modes = [ReplicaStream(self, i) for i in range(len(self._ids))]
+        self._keys = [(self, i) for i in range(len(self._ids))]
 
     def start_run(self) -> None:
         """A new run: streams are drawn afresh at the first random call."""
@@ -147,6 +148,16 @@ class RandomStreams:
     def mode(self, index: int) -> ReplicaStream:
         """The context to enter on replica ``index``'s thread for its function."""
         return self._modes[index]
+
+    def call(self, index: int, fn: Callable[[int], Any]) -> Any:
+        """``fn(index)`` in replica ``index``'s stream (`mode` without a context
+        manager: the runtime's hot path)."""
+        saved = getattr(_local, "stream", None)
+        _local.stream = self._keys[index]
+        try:
+            return fn(index)
+        finally:
+            _local.stream = saved
 
     def generator(self, index: int) -> torch.Generator:
         """Replica ``index``'s generator for this run (seeded at its first use)."""

@@ -14,6 +14,10 @@ a replica of an abandoned run (a straggler) that reaches a collective later is
 refused, so it can never meet the replicas of the next run. Leaving a wait because
 of an interrupt withdraws the slot (or marks it done) without waiting for anything.
 
+In a *baton* run one replica runs at a time: an arrival that is not the last hands
+the baton over before it waits (a completed replica resumes, else the executor
+starts an unstarted one), the last one combines and goes on while the others'
+wake-ups are deferred until it waits or returns. A break ends the baton.
 While a profiler is active (checked once per run), each replica's wait and the
 combine are `torch.profiler.record_function` ranges named
 ``mirrored.<collective> wait|combine [replica i] at <call site>``: in a trace, the
@@ -31,7 +35,15 @@ from typing import Any, TypeVar
 import torch
 
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, ReplicaAbortedError
-from .contract import Arrival, CollectiveFailure, Failure, Raise, describe_call, mismatch_message
+from .contract import (
+    Arrival,
+    CollectiveFailure,
+    Failure,
+    Raise,
+    Starter,
+    early_exit_message,
+    mismatch_message,
+)
 
 __all__ = ["Rendezvous"]
 
@@ -64,11 +76,18 @@ class Rendezvous:
     """
 
     def __init__(self, labels: Sequence[str],
-                 on_timeout: Callable[[float], None] | None = None) -> None:
+                 on_timeout: Callable[[float], None] | None = None,
+                 starter: Starter | None = None) -> None:
         self._labels = tuple(labels)
         self._n = len(self._labels)
         self._on_timeout = on_timeout
+        self._starter = starter
         self._lock = threading.Lock()
+        # Baton runs: slots whose wake-up is deferred, the caller's thread, hand-overs.
+        self._baton = False
+        self._deferred: list[_Slot] = []
+        self._caller = 0
+        self.progress = 0
         self._generation = 0
         self._combine_threads: int | None = None
         self._profiling = False
@@ -80,13 +99,19 @@ class Rendezvous:
         self._exited = [False] * self._n
         self._broken: Failure | None = None
 
-    def start(self, combine_threads: int | None = None, profiling: bool = False) -> int:
+    def start(self, combine_threads: int | None = None, profiling: bool = False,
+              baton: bool = False) -> int:
         """Starts a new run; returns its generation. ``combine_threads``: the intra-op
         thread count the combining replica uses (everyone else waits meanwhile);
-        ``profiling``: record profiler ranges for this run's waits and combines."""
+        ``profiling``: record profiler ranges for this run's waits and combines;
+        ``baton``: one replica runs at a time (see `_hand_over_locked`)."""
         with self._lock:
             self._combine_threads = combine_threads
             self._profiling = profiling
+            self._baton = baton
+            self._deferred = []
+            self._caller = threading.get_ident()
+            self.progress += 1
             self._generation += 1
             self._active = True
             self._round = [None] * self._n
@@ -100,7 +125,54 @@ class Rendezvous:
         """Ends the current run: later calls from its replicas are refused."""
         with self._lock:
             self._active = False
-            self._round = [None] * self._n
+            self._baton = False
+            if self._count:
+                self._round = [None] * self._n
+            if self._deferred:
+                self._release_deferred_locked()
+
+    # ------------------------------------------------------------- baton
+    def _hand_over_locked(self, exiting: bool) -> None:
+        """The replica holding the baton waits at a collective or returned: the next one
+        runs. A replica whose collective completed resumes first (its deferred wake-up),
+        else an unstarted replica starts on its thread; when the caller of run returned
+        from a replica it runs the unstarted ones itself (no wake-up at all)."""
+        self.progress += 1
+        starter = self._starter
+        if exiting and starter is not None and threading.get_ident() == self._caller \
+                and starter.start_next(wake=False):
+            return  # the caller claims the next unstarted replica
+        if self._deferred:
+            self._deferred.pop(0).wake.release()
+        elif starter is not None:
+            starter.start_next(wake=True)
+
+    def _release_deferred_locked(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for slot in deferred:
+            slot.wake.release()
+
+    def in_baton(self) -> bool:  # whether the run in flight is (still) a baton run
+        return self._baton
+
+    def baton_state(self) -> tuple[bool, int]:
+        """Whether a baton run is in flight, and the count of hand-overs (`Watchdog`)."""
+        return self._baton and self._active, self.progress
+
+    def concurrent(self) -> None:
+        """Ends the baton of the current run: every replica runs from now on (the
+        watchdog saw no hand-over for a while; also on a break, or at a collective
+        with a timeout, which measures how late the others are)."""
+        with self._lock:
+            if self._concurrent_locked() and self._starter is not None:
+                self._starter.start_all()
+
+    def _concurrent_locked(self) -> bool:
+        if not self._baton:
+            return False
+        self._baton = False
+        self._release_deferred_locked()
+        return True
 
     # ----------------------------------------------------------- exchange
     def exchange(self, generation: int, index: int, arrival: Arrival[P, R],
@@ -123,7 +195,7 @@ class Rendezvous:
             exited = [j for j in range(self._n) if self._exited[j]]
             if exited:
                 waiting = {j: s.arrival for j, s in enumerate(self._round) if s is not None}
-                message = self._early_exit_message(exited, {**waiting, index: arrival})
+                message = early_exit_message(self._labels, exited, {**waiting, index: arrival})
                 self._break_locked(CollectiveMismatchError, message)
                 raise CollectiveMismatchError(message)
             if self._completing and self._completer == threading.get_ident():
@@ -141,6 +213,11 @@ class Rendezvous:
                 self._count = 0
                 self._completing = slots
                 self._completer = threading.get_ident()
+            elif self._baton:
+                if timeout is None:
+                    self._hand_over_locked(False)
+                elif self._concurrent_locked() and self._starter is not None:
+                    self._starter.start_all()  # a timeout measures the others' lateness
         if not self._profiling:
             if last:
                 self._complete(index, slots)
@@ -190,7 +267,10 @@ class Rendezvous:
                 slot.result = broken if broken is not None else results[j]
                 slot.done = True
                 if j != index:
-                    slot.wake.release()
+                    if self._baton:  # it resumes when this replica hands the baton over
+                        self._deferred.append(slot)
+                    else:
+                        slot.wake.release()
             self._completing = ()
         if interrupt is not None:
             raise interrupt
@@ -267,6 +347,8 @@ class Rendezvous:
         if self._broken is not None:
             return
         self._broken = Failure(error_type, message)
+        if self._concurrent_locked() and self._starter is not None:
+            self._starter.start_all()  # every replica runs to its end now
         for j, slot in enumerate(self._round):
             if slot is not None:
                 self._round[j] = None
@@ -276,7 +358,6 @@ class Rendezvous:
                     slot.wake.release()
         self._count = 0
 
-
     # ------------------------------------------------------- replica exits
     def replica_exited(self, generation: int, index: int, error: BaseException | None) -> None:
         """Replica ``index`` of run ``generation`` returned (``error=None``) or raised."""
@@ -284,6 +365,8 @@ class Rendezvous:
             if generation != self._generation or not self._active:
                 return  # a straggler of an abandoned run
             self._exited[index] = True
+            if self._baton and error is None:
+                self._hand_over_locked(True)
             if self._broken is not None or (error is None and not self._count):
                 return
             waiting = {j: s.arrival for j, s in enumerate(self._round) if s is not None}
@@ -293,7 +376,7 @@ class Rendezvous:
                     f"{type(error).__name__}: {error}"))
             elif waiting:
                 self._break_locked(CollectiveMismatchError,
-                                   self._early_exit_message([index], waiting))
+                                   early_exit_message(self._labels, [index], waiting))
 
     def _outside_message(self, arrival: Arrival[Any, Any], generation: int) -> str:
         if self._active and generation and generation != self._generation:
@@ -303,23 +386,6 @@ class Rendezvous:
         return (f"{arrival.title} at {arrival.site} was called outside strategy.run: "
                 "collectives (and backward passes through them) must run inside the step "
                 "function, in every replica")
-
-    def _early_exit_message(self, exited: Sequence[int],
-                            waiting: dict[int, Arrival[Any, Any]]) -> str:
-        first = waiting[min(waiting)]
-        names = ", ".join(self._labels[j] for j in exited)
-        lines = []
-        for j in range(self._n):
-            if j in waiting:
-                lines.append(f"  {self._labels[j]}: waiting in "
-                             f"{describe_call(waiting[j].call, None)}")
-            elif j in exited:
-                lines.append(f"  {self._labels[j]}: returned from its function")
-            else:
-                lines.append(f"  {self._labels[j]}: still running")
-        return (f"{first.title} at {first.site} can never complete: {names} returned from its "
-                "function without calling it, while other replicas wait in it. Every replica "
-                "must make the same collective calls in the same order\n" + "\n".join(lines))
 
 
 def _take(slot: _Slot) -> Any:

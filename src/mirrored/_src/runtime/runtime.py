@@ -20,9 +20,11 @@ function are `torch.profiler.record_function` ranges.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar, final
@@ -37,7 +39,8 @@ from .contract import Arrival, CollectiveFailure
 from .executor import Executor, ReplicaAbandoned, ReplicaFailure
 from .random import RandomStreams, drop_stale_modes
 from .rendezvous import Rendezvous
-from .thread_state import ThreadState, capture, in_caller_context, refused_modes
+from .thread_state import ThreadState, capture, plain_thread, refused_modes
+from .watchdog import Watchdog
 
 __all__ = ["InlineRuntime", "Runtime", "ThreadRuntime"]
 
@@ -46,6 +49,7 @@ R = TypeVar("R")
 
 GRACE_SECONDS = 0.5  # how long run waits for the others once a run is given up
 MISUSE_SECONDS = 2.0  # how long run waits for another run of the same strategy
+BATON_SECONDS = 1e-3  # a run after one of the last two was shorter is a baton run
 
 _thread_profiled = torch._C._autograd._profiler_enabled
 _record = torch.autograd.profiler.record_function
@@ -111,21 +115,12 @@ def _on_device(device: torch.device) -> Iterator[None]:
             yield
 
 
-def _plain_thread() -> bool:
-    """Whether this thread has torch's defaults for a new thread (what a replica thread
-    has): grad on, no inference mode, no autocast, no saved-tensor hooks. Cheaper than
-    `capture` (no snapshot); see `ThreadState.is_plain`."""
-    return (torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
-            and not torch._C._is_any_autocast_enabled()
-            and torch._C._autograd._top_saved_tensors_default_hooks(False) is None)
-
-
 class _Run:
     """One ``run``'s calls and what a replica thread needs of the caller's state. A
     fresh one per run: a straggler of an abandoned run keeps its own."""
 
-    __slots__ = ("call", "caller_device", "caller_thread", "devices", "fn", "generation",
-                 "local", "profiling", "state", "streams", "threads")
+    __slots__ = ("call", "caller_device", "caller_thread", "context", "devices", "fn",
+                 "generation", "local", "profiling", "state", "streams", "threads")
 
     def __init__(self, call: Callable[[int], Any], fn: Callable[..., Any] | None,
                  runtime: ThreadRuntime, threads: int, state: ThreadState | None,
@@ -139,11 +134,19 @@ class _Run:
         self.state = state  # None: the caller's thread state is plain
         self.caller_device = caller_device
         self.caller_thread = threading.get_ident()
+        # torch keeps the user's compile settings in context variables: a replica on
+        # another thread runs in a copy of the caller's (see `thread_state`).
+        self.context = contextvars.copy_context()
         self.profiling = profiling
         self.generation = 0
 
     def replica(self, i: int) -> Any:
         """Runs replica ``i`` on this thread (the caller's or a replica thread)."""
+        if threading.get_ident() == self.caller_thread:
+            return self._replica(i, True)
+        return self.context.copy().run(self._replica, i, False)
+
+    def _replica(self, i: int, on_caller: bool) -> Any:
         local = self.local
         local.generation = self.generation
         try:
@@ -152,7 +155,7 @@ class _Run:
                 # The common case. The caller's thread has the caller's state and its
                 # thread count (set by run); a replica thread has torch's defaults,
                 # which a plain caller state is.
-                if threading.get_ident() == self.caller_thread:
+                if on_caller:
                     return self._call(i)
                 if self.state is None:
                     if torch.get_num_threads() != self.threads:
@@ -174,13 +177,11 @@ class _Run:
         if not self.profiling:
             if streams is None:
                 return self.call(i)
-            with streams.mode(i):
-                return self.call(i)
+            return streams.call(i, self.call)
         with _record(f"mirrored.replica {i}: {_fn_name(self.fn)}"):
             if streams is None:
                 return self.call(i)
-            with streams.mode(i):
-                return self.call(i)
+            return streams.call(i, self.call)
 
 
 _runtimes: weakref.WeakSet[ThreadRuntime] = weakref.WeakSet()
@@ -205,6 +206,7 @@ class ThreadRuntime:
         self._timeout = timeout_seconds
         self._local = threading.local()  # .generation: the run a replica thread serves
         self._split_threads = self._n > 1 and all(d.kind == "CPU" for d in topology.devices)
+        self._baton = self._split_threads and timeout_seconds is None
         self._streams = RandomStreams(topology.replica_ids) if (
             per_replica_random and self._n > 1
             and all(d.kind == "CPU" for d in topology.devices)) else None
@@ -218,7 +220,11 @@ class ThreadRuntime:
         executor = Executor(self._topology.labels, self._name,
                             caller_runs=self._timeout is None)
         self._executor = executor
-        self._rendezvous = Rendezvous(self._topology.labels, on_timeout=executor.timed_out)
+        rendezvous = Rendezvous(self._topology.labels, on_timeout=executor.timed_out,
+                                starter=executor)
+        self._rendezvous = rendezvous
+        self._watchdog = Watchdog(rendezvous.baton_state, rendezvous.concurrent, self._name)
+        self._last_seconds = (0.0, 0.0)  # the wall times of the previous two runs
         # An RLock knows its owner: an interrupt between acquiring it and entering the
         # try that releases it leaves it owned by the caller's thread, which takes it
         # back on its next run; no other thread ever releases it.
@@ -249,7 +255,7 @@ class ThreadRuntime:
         # N logical CPU replicas share the caller's intra-op budget: each runs with
         # get_num_threads() // N threads (at least 1), whichever thread runs it.
         threads = max(1, full // self._n) if self._split_threads else full
-        state = None if _plain_thread() else capture()
+        state = None if plain_thread() else capture()
         profiling = _profiling()
         run = _Run(call, fn, self, threads, state, current_device(), profiling)
         if profiling:
@@ -266,20 +272,27 @@ class ThreadRuntime:
             rendezvous = self._rendezvous
             # Everyone else waits while one replica combines: it may use the caller's
             # whole intra-op thread budget for that.
+            # A baton run (one replica at a time, threads woken only when one waits at a
+            # collective) when the previous run was short: see docs/design.md.
+            baton = self._baton and min(self._last_seconds) < BATON_SECONDS
+            if baton:
+                self._watchdog.arm()
+            start = time.perf_counter()
             generation = run.generation = rendezvous.start(
-                full if self._split_threads else None, run.profiling)
+                full if self._split_threads else None, run.profiling, baton)
             if self._streams is not None:
                 self._streams.start_run()
             if run.threads != full:
                 torch.set_num_threads(run.threads)  # for the replicas run on this thread
             try:
                 results, failures = self._executor.run(
-                    in_caller_context(run.replica, self._n),  # torch's compile config
-                    lambda i, error: rendezvous.replica_exited(generation, i, error),
+                    run.replica, lambda i, error: rendezvous.replica_exited(generation, i, error),
                     rendezvous.abort, grace=GRACE_SECONDS,
-                    straggler_wait=self._timeout or GRACE_SECONDS)
+                    straggler_wait=self._timeout or GRACE_SECONDS,
+                    baton=rendezvous.in_baton if baton else None)
             finally:
                 rendezvous.finish()
+                self._last_seconds = (self._last_seconds[1], time.perf_counter() - start)
         finally:
             self._running = False
             self._run_lock.release()
@@ -334,6 +347,7 @@ class ThreadRuntime:
                 "run is in progress (e.g. a thread started inside the step function); close "
                 "the strategy after run returns")
         self._executor.close()
+        self._watchdog.stop()
         if not self._closed:
             self._closed = True
             self._pool.release()  # emptied once no open strategy uses it

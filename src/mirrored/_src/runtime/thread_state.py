@@ -9,8 +9,8 @@ modes (other than ``torch.device(...)``, which `run` handles) are *not* carried:
 one mode object cannot be active on several threads at once, so `refused_modes`
 names them and ``run`` refuses to start rather than apply them to one replica only.
 
-`in_caller_context` runs each replica on a replica thread in a copy of the
-caller's context variables: torch keeps the user's ``torch._dynamo.config`` and
+The runtime runs each replica on a replica thread in a copy of the caller's
+context variables: torch keeps the user's ``torch._dynamo.config`` and
 ``torch._inductor.config`` settings per thread (in ``ContextVar``s), so without it
 replicas 1..N-1 would compile with torch's defaults while replica 0 (on the
 caller's thread) uses the caller's settings.
@@ -19,9 +19,7 @@ caller's thread) uses the caller's settings.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +28,7 @@ from torch.overrides import _get_current_function_mode_stack
 from torch.utils._device import DeviceContext
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-__all__ = ["ThreadState", "capture", "in_caller_context", "refused_modes"]
+__all__ = ["ThreadState", "capture", "plain_thread", "refused_modes"]
 
 _Hooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None
 
@@ -79,6 +77,15 @@ class ThreadState:
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*self.hooks))
 
 
+def plain_thread() -> bool:
+    """Whether this thread has torch's defaults for a new thread (what a replica thread
+    has): grad on, no inference mode, no autocast, no saved-tensor hooks. Cheaper than
+    `capture` (no snapshot); see `ThreadState.is_plain`."""
+    return (torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+            and not torch._C._is_any_autocast_enabled()
+            and _hooks() is None)
+
+
 def capture() -> ThreadState:
     """The calling thread's settings."""
     return ThreadState(torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
@@ -94,18 +101,3 @@ def refused_modes() -> list[str]:
     stack = _get_current_function_mode_stack()  # type: ignore[no-untyped-call]
     modes = [m for m in stack if not isinstance(m, DeviceContext)]
     return [type(m).__name__ for m in [*modes, *_get_current_dispatch_mode_stack()]]
-
-
-def in_caller_context(fn: Callable[[int], Any], n: int) -> Callable[[int], Any]:
-    """``fn`` for replicas ``0..n-1``, run in a copy of the calling thread's context
-    variables (one copy per replica: a context can be entered by one thread at a
-    time) when a replica runs on another thread."""
-    caller = threading.get_ident()
-    contexts = [contextvars.copy_context() for _ in range(n)]
-
-    def call(i: int) -> Any:
-        if threading.get_ident() == caller:
-            return fn(i)
-        return contexts[i].run(fn, i)
-
-    return call

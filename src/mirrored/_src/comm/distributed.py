@@ -24,7 +24,8 @@ unusable (workers are out of step); the job should restart.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,9 +43,14 @@ from .cross_device_ops import CrossDeviceOps
 from .host import concat
 from .watch import CallWatch
 
-__all__ = ["DistributedCommunicator", "OverlappedSum"]
+__all__ = ["CHUNKS", "CHUNK_MIN_BYTES", "DistributedCommunicator", "OverlappedSum"]
 
 _HOST = Device("CPU", 0)
+# A pack of CHUNK_MIN_BYTES or more crosses the workers as CHUNKS collectives of one
+# call (measured on 2 workers over loopback Gloo, 16 and 64 MiB: 1.03-1.07x a raw
+# in-place all-reduce, against 1.3-1.5x for one copy followed by one collective).
+CHUNKS = 4
+CHUNK_MIN_BYTES = 4 << 20
 
 
 class DistributedCommunicator:
@@ -130,26 +136,33 @@ class DistributedCommunicator:
         nbytes = [t.numel() * t.element_size() for t in first]
         packs = packing.plan(nbytes, keys, bytes_per_pack)
         kind = reduce_op.name.lower()
-        buffers, views = [], []
-        extra = 0
+        views, data, fills = [], [], []
         for index, members in enumerate(packs):
-            flats = [packing.pack([leaves[m] for m in members]) for leaves in per_replica]
-            if index == 0 and self._check:
-                extra = trailer.length(kind, flats[0].dtype, self._topology.num_workers)
-            if extra and index == 0:  # the call check rides at the end of the first pack
-                n = flats[0].numel()
-                buffer = default_pool().empty((n + extra,), flats[0].dtype,
-                                              self._wire.torch_device)
-                buffer[:n].copy_(flats[0] if len(flats) == 1 else self._local.reduce_to_devices(
-                    reduce_op, flats, (self._wire,))[0])
-                buffers.append(buffer)
-                views.append(buffer[:n])
-                continue
-            buffers.append(self._local.reduce_to_devices(reduce_op, flats, (self._wire,))[0])
-            views.append(buffers[-1])
-        wire = tuple((kind, str(b.dtype), b.numel()) for b in buffers)
+            leaves = [first[m] for m in members]
+            n = sum(t.numel() for t in leaves)
+            dtype = leaves[0].dtype
+            extra = trailer.length(kind, dtype, self._topology.num_workers
+                                   ) if index == 0 and self._check else 0
+            if len(per_replica) > 1:  # the local sum in replica order, then one copy
+                flats = [packing.pack([leaves_r[m] for m in members])
+                         for leaves_r in per_replica]
+                source: torch.Tensor | list[torch.Tensor] = self._local.reduce_to_devices(
+                    reduce_op, flats, (self._wire,))[0]
+            else:
+                source = leaves
+            # Results live in a pooled buffer (the check's trailer at its end); the
+            # data reach it by one copy, chunk by chunk as the chunks are launched.
+            buffer = default_pool().empty((n + extra,), dtype, self._wire.torch_device)
+            views.append(buffer[:n])
+            chunks = _chunks(buffer, n, extra, source)
+            if index == 0 and extra:  # the trailer's chunk goes first (`CrossWorkerCalls`)
+                chunks.insert(0, chunks.pop())
+            for chunk, fill in chunks:
+                data.append(chunk)
+                fills.append(fill)
+        wire = tuple((kind, str(b.dtype), b.numel()) for b in data)
         self._calls.call(f"{reduce_op.name} of " + ", ".join(describe(t) for t in first), wire,
-                   buffers)
+                         data, fill=lambda i: fills[i]())
         out: list[list[torch.Tensor]] = [[] for _ in first]
         for members, buffer in zip(packs, views, strict=True):
             like = [first[m] for m in members]
@@ -278,6 +291,37 @@ class DistributedCommunicator:
         if devices and devices[0].torch_device == tensor.device:
             return [tensor, *self._local.broadcast_to_devices(tensor, devices[1:])]
         return self._local.broadcast_to_devices(tensor, devices)
+
+
+def _chunks(buffer: torch.Tensor, n: int, extra: int,
+            source: torch.Tensor | list[torch.Tensor]
+            ) -> list[tuple[torch.Tensor, Callable[[], None]]]:
+    """``buffer`` (``n`` payload elements, then ``extra`` of trailer) cut into the
+    collectives that carry it, each with the copy of its part of ``source`` (one flat
+    tensor, or the leaves of the pack in order). A large flat payload travels in
+    `CHUNKS` parts: copying one part overlaps the transfer of the previous ones."""
+    nbytes = n * buffer.element_size()
+    if isinstance(source, list) and len(source) == 1:
+        source = source[0].reshape(-1)
+    if isinstance(source, list):
+        leaves = source
+
+        def fill_all() -> None:
+            torch._foreach_copy_(packing.unpack(buffer[:n], leaves), leaves)
+        return [(buffer, fill_all)]
+    flat = source
+    parts = CHUNKS if nbytes >= CHUNK_MIN_BYTES else 1
+    bounds = [n * i // parts for i in range(parts + 1)]
+    out = []
+    for i in range(parts):
+        a, b = bounds[i], bounds[i + 1]
+        end = b + extra if i == parts - 1 else b
+        out.append((buffer[a:end], functools.partial(_copy, buffer[a:b], flat[a:b])))
+    return out
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)
 
 
 class OverlappedSum:

@@ -112,6 +112,7 @@ class DistributedCommunicator:
             job, self._ledger, topology.worker_index, timeout_seconds), job, check_calls,
             topology, self._wire_device(topology, group))
         self._wire = self._wire_device(topology, group)  # where cross-worker data travels
+        self._plans: dict[tuple[Any, ...], tuple[list[list[int]], str]] = {}
 
     @staticmethod
     def _wire_device(topology: Topology, group: Any) -> Device:
@@ -132,9 +133,18 @@ class DistributedCommunicator:
         """Combines many values over every replica of every worker (SUM, MIN or MAX):
         see `Communicator.reduce_packed`."""
         first = per_replica[0]
-        keys = [(t.dtype, t.device, id(destinations[k])) for k, t in enumerate(first)]
-        nbytes = [t.numel() * t.element_size() for t in first]
-        packs = packing.plan(nbytes, keys, bytes_per_pack)
+        # A training loop repeats its calls: their packs and description are kept.
+        key = (reduce_op, bytes_per_pack, *((t.shape, t.dtype, t.device, id(destinations[k]))
+                                            for k, t in enumerate(first)))
+        known = self._plans.get(key)
+        if known is None:
+            packs = packing.plan([t.numel() * t.element_size() for t in first],
+                                 [k[1:] for k in key[2:]], bytes_per_pack)
+            what = f"{reduce_op.name} of " + ", ".join(describe(t) for t in first)
+            if len(self._plans) >= 256:
+                self._plans.clear()
+            known = self._plans[key] = (packs, what)
+        packs, what = known
         kind = reduce_op.name.lower()
         views, data, fills = [], [], []
         for index, members in enumerate(packs):
@@ -161,8 +171,7 @@ class DistributedCommunicator:
                 data.append(chunk)
                 fills.append(fill)
         wire = tuple((kind, str(b.dtype), b.numel()) for b in data)
-        self._calls.call(f"{reduce_op.name} of " + ", ".join(describe(t) for t in first), wire,
-                         data, fill=lambda i: fills[i]())
+        self._calls.call(what, wire, data, fill=lambda i: fills[i]())
         out: list[list[torch.Tensor]] = [[] for _ in first]
         for members, buffer in zip(packs, views, strict=True):
             like = [first[m] for m in members]

@@ -341,7 +341,7 @@ def test_chunks_cover_the_buffer_and_copy_the_source() -> None:
     n, extra = CHUNK_MIN_BYTES // 4 + 5, 6
     source = torch.arange(n, dtype=torch.float32)
     buffer = torch.full((n + extra,), -1.0)
-    chunks = _chunks(buffer, n, extra, source)
+    chunks = _chunks(buffer, n, extra, source, [buffer[:n]])
     assert len(chunks) == CHUNKS
     assert sum(c.numel() for c, _ in chunks) == n + extra
     assert chunks[-1][0][-extra:].data_ptr() == buffer[n:].data_ptr()  # the trailer's
@@ -350,7 +350,8 @@ def test_chunks_cover_the_buffer_and_copy_the_source() -> None:
     assert torch.equal(buffer[:n], source) and bool((buffer[n:] == -1).all())
     leaves = [torch.ones(2, 3), torch.zeros(4)]
     small = torch.full((10 + extra,), -1.0)
-    [(whole, fill_all)] = _chunks(small, 10, extra, leaves)
+    [(whole, fill_all)] = _chunks(small, 10, extra, leaves,
+                                  [small[:6].view(2, 3), small[6:10]])
     fill_all()
     assert whole is small
     assert small[:10].tolist() == [1.0] * 6 + [0.0] * 4 and bool((small[10:] == -1).all())

@@ -43,6 +43,7 @@ class CrossWorkerCalls:
         self._local_replicas = topology.num_local_replicas
         self._wire = wire
         self._wire_hashes: dict[Wire, int] = {}
+        self._direct = _direct_all_reduce(group)
 
     def call(self, what: str, wire: Wire, data: list[torch.Tensor], *, flag: int = 0,
              value: int = 0, sizes: Sequence[int] = (),
@@ -180,6 +181,10 @@ class CrossWorkerCalls:
                 fill(i)
             if kind == "broadcast":
                 works.append(dist.broadcast(buffer, src=0, group=self._group, async_op=True))
+            elif self._direct is not None and not buffer.is_complex():
+                # What dist.all_reduce does for a dense tensor outside a coalescing
+                # context, less its Python checks (a third of a small call's CPU time).
+                works.append(self._direct[0].allreduce([buffer], self._direct[1][kind]))
             else:
                 works.append(dist.all_reduce(buffer, op=_DIST_OPS[kind], group=self._group,
                                              async_op=True))
@@ -203,6 +208,23 @@ class CrossWorkerCalls:
             ledger.agreed = ledger.predicted
         self._done(seq)
         return table
+
+
+def _direct_all_reduce(group: Any) -> tuple[Any, dict[str, Any]] | None:
+    """The process group and an ``AllreduceOptions`` per kind, to launch all-reduces
+    without ``dist.all_reduce``'s per-call checks (``None``: this torch lacks them)."""
+    try:
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        options = {}
+        for kind, op in _DIST_OPS.items():
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = op
+            if hasattr(opts, "asyncOp"):
+                opts.asyncOp = True
+            options[kind] = opts
+    except (AttributeError, RuntimeError):
+        return None
+    return (pg, options) if hasattr(pg, "allreduce") else None
 
 
 class PendingCall:

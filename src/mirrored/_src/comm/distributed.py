@@ -163,8 +163,9 @@ class DistributedCommunicator:
             # Results live in a pooled buffer (the check's trailer at its end); the
             # data reach it by one copy, chunk by chunk as the chunks are launched.
             buffer = default_pool().empty((n + extra,), dtype, self._wire.torch_device)
-            views.append(buffer[:n])
-            chunks = _chunks(buffer, n, extra, source)
+            shaped = packing.unpack(buffer[:n], leaves)  # the results, shaped
+            views.append((buffer[:n], shaped))
+            chunks = _chunks(buffer, n, extra, source, shaped)
             if index == 0 and extra:  # the trailer's chunk goes first (`CrossWorkerCalls`)
                 chunks.insert(0, chunks.pop())
             for chunk, fill in chunks:
@@ -173,10 +174,11 @@ class DistributedCommunicator:
         wire = tuple((kind, str(b.dtype), b.numel()) for b in data)
         self._calls.call(what, wire, data, fill=lambda i: fills[i]())
         out: list[list[torch.Tensor]] = [[] for _ in first]
-        for members, buffer in zip(packs, views, strict=True):
+        for members, (payload, shaped) in zip(packs, views, strict=True):
             like = [first[m] for m in members]
-            for flat in self._copies(buffer, destinations[members[0]]):
-                for m, part in zip(members, packing.unpack(flat, like), strict=True):
+            for flat in self._copies(payload, destinations[members[0]]):
+                parts = shaped if flat is payload else packing.unpack(flat, like)
+                for m, part in zip(members, parts, strict=True):
                     out[m].append(part)
         return out
 
@@ -303,21 +305,18 @@ class DistributedCommunicator:
 
 
 def _chunks(buffer: torch.Tensor, n: int, extra: int,
-            source: torch.Tensor | list[torch.Tensor]
+            source: torch.Tensor | list[torch.Tensor], shaped: list[torch.Tensor]
             ) -> list[tuple[torch.Tensor, Callable[[], None]]]:
     """``buffer`` (``n`` payload elements, then ``extra`` of trailer) cut into the
     collectives that carry it, each with the copy of its part of ``source`` (one flat
-    tensor, or the leaves of the pack in order). A large flat payload travels in
-    `CHUNKS` parts: copying one part overlaps the transfer of the previous ones."""
+    tensor, or the leaves of the pack in order, copied into ``shaped``: views of
+    ``buffer`` shaped like them). A large flat payload travels in `CHUNKS` parts:
+    copying one part overlaps the transfer of the previous ones."""
     nbytes = n * buffer.element_size()
     if isinstance(source, list) and len(source) == 1:
         source = source[0].reshape(-1)
     if isinstance(source, list):
-        leaves = source
-
-        def fill_all() -> None:
-            torch._foreach_copy_(packing.unpack(buffer[:n], leaves), leaves)
-        return [(buffer, fill_all)]
+        return [(buffer, functools.partial(torch._foreach_copy_, shaped, source))]
     flat = source
     parts = CHUNKS if nbytes >= CHUNK_MIN_BYTES else 1
     bounds = [n * i // parts for i in range(parts + 1)]

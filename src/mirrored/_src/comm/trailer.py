@@ -17,6 +17,8 @@ separate header instead.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 __all__ = ["FIELDS", "decode", "encode", "length"]
@@ -25,6 +27,7 @@ FIELDS = (62, 62, 1)  # identity, predicted next sizes, miss
 _EXACT = {torch.float32: 24, torch.float64: 53, torch.int32: 31, torch.int64: 63}
 
 
+@functools.lru_cache(maxsize=64)
 def _bits(kind: str, dtype: torch.dtype, workers: int) -> int:
     exact = _EXACT.get(dtype, 0)
     if kind == "sum":
@@ -36,6 +39,7 @@ def _chunks(bits: int, c: int) -> int:
     return -(-bits // c)
 
 
+@functools.lru_cache(maxsize=64)
 def length(kind: str, dtype: torch.dtype, workers: int) -> int:
     """How many elements the trailer of a pack takes (0: this pack cannot carry one)."""
     c = _bits(kind, dtype, workers)

@@ -354,4 +354,25 @@ def test_chunks_cover_the_buffer_and_copy_the_source() -> None:
                                   [small[:6].view(2, 3), small[6:10]])
     fill_all()
     assert whole is small
+    assert len(_chunks(buffer, n, extra, source, [buffer[:n]], split=False)) == 1
     assert small[:10].tolist() == [1.0] * 6 + [0.0] * 4 and bool((small[10:] == -1).all())
+
+
+def _against_raw(comm: DistributedCommunicator, topology: Topology) -> bool:
+    from mirrored._src.comm import trailer
+
+    x = _big_inputs(topology.worker_index)[0]
+    ours = comm.reduce_packed(ReduceOp.SUM, [[x]], [topology.devices], 0)[0][0]
+    # raw Gloo on a buffer laid out as the call's (the trailer's zeros after the data)
+    extra = trailer.length("sum", torch.float32, topology.num_workers)
+    raw = torch.cat([x, torch.zeros(extra)])
+    torch.distributed.all_reduce(raw)
+    return torch.equal(ours, raw[:_BIG])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_large_float_sum_is_bitwise_the_raw_collectives_sum(world: int) -> None:
+    # 2 workers: in chunks (a + b either way); 3: one collective (a ring's order of
+    # addition follows an element's position in the transfer).
+    assert _values(_spawn(_against_raw, world, hard_timeout=100), world) == [True] * world

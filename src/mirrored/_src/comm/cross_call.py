@@ -218,7 +218,7 @@ def _direct_all_reduce(group: Any) -> tuple[Any, dict[str, Any]] | None:
         options = {}
         for kind, op in _DIST_OPS.items():
             opts = dist.AllreduceOptions()
-            opts.reduceOp = op
+            opts.reduceOp = op  # type: ignore[assignment]  # (as dist.all_reduce does)
             if hasattr(opts, "asyncOp"):
                 opts.asyncOp = True
             options[kind] = opts

@@ -48,7 +48,10 @@ __all__ = ["CHUNKS", "CHUNK_MIN_BYTES", "DistributedCommunicator", "OverlappedSu
 _HOST = Device("CPU", 0)
 # A pack of CHUNK_MIN_BYTES or more crosses the workers as CHUNKS collectives of one
 # call (measured on 2 workers over loopback Gloo, 16 and 64 MiB: 1.03-1.07x a raw
-# in-place all-reduce, against 1.3-1.5x for one copy followed by one collective).
+# in-place all-reduce, against 1.3-1.5x for one copy followed by one collective),
+# where that leaves every sum bitwise as one collective makes it: MIN, MAX, integers,
+# and floats on 2 workers (a + b either way); a float SUM over 3 or more workers
+# stays one collective.
 CHUNKS = 4
 CHUNK_MIN_BYTES = 4 << 20
 
@@ -139,7 +142,8 @@ class DistributedCommunicator:
         known = self._plans.get(key)
         if known is None:
             packs = packing.plan([t.numel() * t.element_size() for t in first],
-                                 [k[1:] for k in key[2:]], bytes_per_pack)
+                                 [(t.dtype, t.device, id(destinations[k]))
+                                  for k, t in enumerate(first)], bytes_per_pack)
             what = f"{reduce_op.name} of " + ", ".join(describe(t) for t in first)
             if len(self._plans) >= 256:
                 self._plans.clear()
@@ -165,7 +169,11 @@ class DistributedCommunicator:
             buffer = default_pool().empty((n + extra,), dtype, self._wire.torch_device)
             shaped = packing.unpack(buffer[:n], leaves)  # the results, shaped
             views.append((buffer[:n], shaped))
-            chunks = _chunks(buffer, n, extra, source, shaped)
+            # Chunks change the order in which a ring of 3 or more workers adds an
+            # element's floats (its position in the transfer): then one collective.
+            exact = (kind != "sum" or self._topology.num_workers <= 2
+                     or not dtype.is_floating_point)
+            chunks = _chunks(buffer, n, extra, source, shaped, split=exact)
             if index == 0 and extra:  # the trailer's chunk goes first (`CrossWorkerCalls`)
                 chunks.insert(0, chunks.pop())
             for chunk, fill in chunks:
@@ -305,22 +313,22 @@ class DistributedCommunicator:
 
 
 def _chunks(buffer: torch.Tensor, n: int, extra: int,
-            source: torch.Tensor | list[torch.Tensor], shaped: list[torch.Tensor]
-            ) -> list[tuple[torch.Tensor, Callable[[], None]]]:
+            source: torch.Tensor | list[torch.Tensor], shaped: list[torch.Tensor], *,
+            split: bool = True) -> list[tuple[torch.Tensor, Callable[[], None]]]:
     """``buffer`` (``n`` payload elements, then ``extra`` of trailer) cut into the
     collectives that carry it, each with the copy of its part of ``source`` (one flat
     tensor, or the leaves of the pack in order, copied into ``shaped``: views of
-    ``buffer`` shaped like them). A large flat payload travels in `CHUNKS` parts:
-    copying one part overlaps the transfer of the previous ones."""
+    ``buffer`` shaped like them). A large flat payload travels in `CHUNKS` parts
+    when ``split``: copying one part overlaps the transfer of the previous ones."""
     nbytes = n * buffer.element_size()
     if isinstance(source, list) and len(source) == 1:
         source = source[0].reshape(-1)
     if isinstance(source, list):
         return [(buffer, functools.partial(torch._foreach_copy_, shaped, source))]
     flat = source
-    parts = CHUNKS if nbytes >= CHUNK_MIN_BYTES else 1
+    parts = CHUNKS if split and nbytes >= CHUNK_MIN_BYTES else 1
     bounds = [n * i // parts for i in range(parts + 1)]
-    out = []
+    out: list[tuple[torch.Tensor, Callable[[], None]]] = []
     for i in range(parts):
         a, b = bounds[i], bounds[i + 1]
         end = b + extra if i == parts - 1 else b

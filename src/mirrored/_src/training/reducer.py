@@ -94,7 +94,7 @@ class GradientReducer:
         return parts.runtime.exchange(r, Arrival(call, None, combine),
                                       parts.options.timeout_seconds)
 
-    def _sum(self, ctx: ReplicaContext, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _sum(self, ctx: ReplicaContext, leaves: list[Any]) -> list[torch.Tensor]:
         """``ctx.all_reduce("SUM", leaves)``. A worker with one replica, whose only
         peers are other workers, hands float leaves straight to the communicator: the
         same call and packs (so the same sums, bitwise), without the in-process

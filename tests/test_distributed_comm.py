@@ -256,3 +256,123 @@ def _late(comm: DistributedCommunicator, topology: Topology) -> Any:
 def test_a_peer_that_never_joins_times_out() -> None:
     elapsed, _ = _values(_spawn(_late, 2, timeout_seconds=2), 2)
     assert 1.9 <= elapsed < 8.0  # generous: a loaded CI machine
+
+
+# ------------------------------------------------------- large packs, in chunks
+
+_BIG = (4 << 20) // 4 + 3  # float32 elements: just over CHUNK_MIN_BYTES, uneven chunks
+
+
+def _big_inputs(replica: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + replica)
+    return [torch.randn(_BIG, generator=g), torch.randn(3 << 18, generator=g),
+            torch.randn(3 << 18, generator=g)]
+
+
+def _big_calls(comm: DistributedCommunicator, topology: Topology) -> dict[str, Any]:
+    per_replica = [_big_inputs(r) for r in topology.replica_ids]
+    before = [[t.clone() for t in leaves] for leaves in per_replica]
+    out: dict[str, Any] = {}
+    for i in range(3):  # the first call in two steps, then the check in the data
+        sums = comm.reduce_packed(ReduceOp.SUM, [leaves[:1] for leaves in per_replica],
+                                  [topology.devices], 0)
+        out[f"sum{i}"] = [t.clone() for t in sums[0]]
+        assert all(t.data_ptr() != leaves[0].data_ptr()
+                   for t in sums[0] for leaves in per_replica)
+    # two 3 MiB leaves in one pack (copied leaf by leaf), then a MAX
+    both = comm.reduce_packed(ReduceOp.SUM, [leaves[1:] for leaves in per_replica],
+                              [topology.devices] * 2, 0)
+    out["pack"] = [[t.clone() for t in per_dest] for per_dest in both]
+    out["max"] = comm.reduce_packed(ReduceOp.MAX, [leaves[:1] for leaves in per_replica],
+                                    [topology.devices], 0)[0][0].clone()
+    out["unchanged"] = all(torch.equal(a, b) for la, lb in zip(per_replica, before, strict=True)
+                           for a, b in zip(la, lb, strict=True))
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("local", [1, 2])
+def test_large_packs_in_chunks_equal_the_single_process_reference_bitwise(local: int) -> None:
+    got = _values(_spawn(_big_calls, 2, local, hard_timeout=100), 2)
+    every = [_big_inputs(r) for r in range(2 * local)]
+
+    def local_then_across(k: int, fold: Callable[..., torch.Tensor]) -> torch.Tensor:
+        per_worker = []
+        for w in range(2):
+            part = every[w * local][k]
+            for r in range(w * local + 1, (w + 1) * local):
+                part = fold(part, every[r][k])
+            per_worker.append(part)
+        return fold(per_worker[0], per_worker[1])
+
+    expected = [local_then_across(k, torch.add) for k in range(3)]
+    for w in range(2):
+        assert got[w]["unchanged"]
+        for i in range(3):
+            assert len(got[w][f"sum{i}"]) == local
+            for copy in got[w][f"sum{i}"]:
+                assert torch.equal(copy, expected[0])
+        for k in (1, 2):
+            for copy in got[w]["pack"][k - 1]:
+                assert torch.equal(copy, expected[k])
+        assert torch.equal(got[w]["max"], local_then_across(0, torch.maximum))
+
+
+def _big_then_different(comm: DistributedCommunicator, topology: Topology) -> Any:
+    big = torch.ones(_BIG)
+    for _ in range(2):  # the workers agree on the next call's chunks
+        comm.reduce_packed(ReduceOp.SUM, [[big]], [topology.devices], 0)
+    size = _BIG if topology.worker_index == 0 else _BIG + 4
+    comm.reduce_packed(ReduceOp.SUM, [[torch.ones(size)]], [topology.devices], 0)
+
+
+@pytest.mark.timeout(90)
+def test_a_different_size_after_agreed_chunks_raises_mismatch_on_every_worker() -> None:
+    messages = _mismatches(_spawn(_big_then_different, 2, timeout_seconds=20), 2)
+    for message in messages:
+        assert "collective #3" in message and "no data of it was used" in message
+        assert f"worker 1: DistributedCommunicator.reduce_packed(SUM of float32[{_BIG + 4}])" in (
+            message)
+
+
+def test_chunks_cover_the_buffer_and_copy_the_source() -> None:
+    from mirrored._src.comm.distributed import CHUNK_MIN_BYTES, CHUNKS, _chunks
+
+    n, extra = CHUNK_MIN_BYTES // 4 + 5, 6
+    source = torch.arange(n, dtype=torch.float32)
+    buffer = torch.full((n + extra,), -1.0)
+    chunks = _chunks(buffer, n, extra, source, [buffer[:n]])
+    assert len(chunks) == CHUNKS
+    assert sum(c.numel() for c, _ in chunks) == n + extra
+    assert chunks[-1][0][-extra:].data_ptr() == buffer[n:].data_ptr()  # the trailer's
+    for _, fill in chunks:
+        fill()
+    assert torch.equal(buffer[:n], source) and bool((buffer[n:] == -1).all())
+    leaves = [torch.ones(2, 3), torch.zeros(4)]
+    small = torch.full((10 + extra,), -1.0)
+    [(whole, fill_all)] = _chunks(small, 10, extra, leaves,
+                                  [small[:6].view(2, 3), small[6:10]])
+    fill_all()
+    assert whole is small
+    assert len(_chunks(buffer, n, extra, source, [buffer[:n]], split=False)) == 1
+    assert small[:10].tolist() == [1.0] * 6 + [0.0] * 4 and bool((small[10:] == -1).all())
+
+
+def _against_raw(comm: DistributedCommunicator, topology: Topology) -> bool:
+    from mirrored._src.comm import trailer
+
+    x = _big_inputs(topology.worker_index)[0]
+    ours = comm.reduce_packed(ReduceOp.SUM, [[x]], [topology.devices], 0)[0][0]
+    # raw Gloo on a buffer laid out as the call's (the trailer's zeros after the data)
+    extra = trailer.length("sum", torch.float32, topology.num_workers)
+    raw = torch.cat([x, torch.zeros(extra)])
+    torch.distributed.all_reduce(raw)
+    return torch.equal(ours, raw[:_BIG])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_large_float_sum_is_bitwise_the_raw_collectives_sum(world: int) -> None:
+    # 2 workers: in chunks (a + b either way); 3: one collective (a ring's order of
+    # addition follows an element's position in the transfer).
+    assert _values(_spawn(_against_raw, world, hard_timeout=100), world) == [True] * world

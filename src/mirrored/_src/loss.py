@@ -68,7 +68,7 @@ def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = 
         if replica.strategy is not None and replica.strategy.default_replica_context is replica:
             context.refuse_default_context_in_foreign_thread("compute_average_loss")
         return total / loss.shape[0]
-    count = torch.tensor(loss.shape[0], dtype=torch.int64, device=loss.device)
-    global_count = replica.all_reduce("SUM", count)
-    average: torch.Tensor = total / global_count.to(total.dtype)
+    # One exchange of plain ints (one checked int64 sum across workers); dividing by
+    # the int is bitwise the division by the count as a tensor of total's dtype.
+    average: torch.Tensor = total / replica._sum_examples(loss.shape[0])
     return average

@@ -25,11 +25,11 @@ from ..reduction import (
     plan_leaf,
     prepare,
 )
-from ..runtime.contract import Arrival, CollectiveFailure
+from ..runtime.contract import Arrival, CallSpec, CollectiveFailure
 from .call import call_spec, paths_of, refuse_in_merge_fn, tensors_of, with_paths
 from .parts import Parts
 
-__all__ = ["AllReduce", "all_reduce"]
+__all__ = ["AllReduce", "all_reduce", "sum_examples"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -195,3 +195,23 @@ def all_reduce(parts: Parts, index: int, reduce_op: ReduceOp | str, value: Any,
     else:
         outputs = job.forward(tensors, spec)
     return pytree.unflatten(spec, outputs)
+
+
+def sum_examples(parts: Parts, index: int, count: int, site: str) -> int:
+    """The number of examples in this step over every replica (``count`` is local
+    replica ``index``'s): plain ints in one process, one checked int64 sum across
+    workers (``Communicator.sum_counts``), with none of a tensor all-reduce's planning,
+    packing and result copies. Used by ``compute_average_loss``."""
+    title = "compute_average_loss"
+    refuse_in_merge_fn(parts, title, site)
+    options = parts.options
+
+    def combine(payloads: Sequence[int]) -> list[int]:
+        total = parts.communicators.for_options(options).sum_counts(
+            [[c] for c in payloads])[0]
+        return [total] * len(payloads)
+
+    call = CallSpec(title, site, (title, "the step's example count"))
+    result: int = parts.runtime.exchange(index, Arrival(call, count, combine),
+                                         options.timeout_seconds)
+    return result

@@ -115,6 +115,11 @@ class ReplicaContext:
         return all_reduce.all_reduce(self._parts, self._index, reduce_op, value,
                                      options, axis, call_site(1))
 
+    def _sum_examples(self, count: int) -> int:
+        """The step's example count over every replica (for ``compute_average_loss``)."""
+        self._check_current("compute_average_loss")
+        return all_reduce.sum_examples(self._parts, self._index, count, call_site(1))
+
     def all_gather(self, value: Any, axis: int,
                    options: CommunicationOptions | None = None) -> Any:
         """Concatenates every replica's ``value`` along ``axis`` in replica order; every

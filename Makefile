@@ -29,7 +29,7 @@ typecheck: $(STAMP)
 	$(PY) -m mypy
 
 unit: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_core.py

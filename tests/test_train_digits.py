@@ -111,7 +111,6 @@ def test_four_replicas_train_the_same_model_as_one(runs):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.xdist_group("digits_two_replicas")
 def test_multi_worker_job_crashes_restarts_under_torchrun_and_resumes(tmp_path,
                                                                       digits_two_replicas):
     """torchrun --max-restarts=1 restarts a job that died after epoch 1; it resumes from

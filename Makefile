@@ -28,8 +28,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
+# Two pytest-xdist workers, a test file per worker at a time (its module fixtures run
+# once); `make unit PYTEST_XDIST=` runs the tests in one process.
+PYTEST_XDIST ?= -n 2 --dist loadfile
+
 unit: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadfile
+	$(PY) -m pytest $(PYTEST_XDIST)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_core.py

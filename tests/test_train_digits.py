@@ -56,9 +56,15 @@ def runs(tmp_path_factory):
                            "--save-final", tmp / "four.pt"),
         "one_replica": start("--epochs", 2, "--replicas", 1, "--save-final", tmp / "one.pt"),
     }
-    lines = {name: finish(proc) for name, proc in procs.items()}
-    lines["resumed"] = finish(start("--epochs", 3, "--checkpoint-dir", tmp / "ckpt",
-                                    "--save-final", tmp / "resumed.pt"))
+    try:
+        lines = {name: finish(proc) for name, proc in procs.items()}
+        procs["resumed"] = start("--epochs", 3, "--checkpoint-dir", tmp / "ckpt",
+                                 "--save-final", tmp / "resumed.pt")
+        lines["resumed"] = finish(procs["resumed"])
+    finally:  # on a failure, no process or pipe outlives the fixture
+        for proc in procs.values():
+            proc.kill()
+            proc.communicate()
     return lines, tmp
 
 

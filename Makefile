@@ -28,8 +28,14 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
+# `make unit PYTEST_XDIST="-n 2 --dist loadfile"` runs the tests on two pytest-xdist
+# workers, a test file per worker at a time (its module fixtures run once). Off by
+# default: under load, a few hang bounds (run_multi_process's 12 s timeout test, the
+# bench_training smoke run's 100 s) were exceeded with two workers.
+PYTEST_XDIST ?=
+
 unit: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_XDIST)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_core.py

@@ -237,7 +237,8 @@ def test_overlap_is_bitwise_the_same_across_workers(local: int) -> None:
 def _worker_mismatch() -> str:
     overlap_module.DEFAULT_BUCKET_BYTES = 256
     strategy = mirrored.MultiWorkerMirroredStrategy(
-        communication_options=CommunicationOptions(timeout_seconds=20), devices=["CPU:0"])
+        communication_options=CommunicationOptions(timeout_seconds=20), devices=["CPU:0"],
+        failure_timeout_seconds=4.0)  # worker 1 names worker 0 gone in 4 s, not 10
     worker = strategy.cluster_resolver.worker_index
     model = strategy.mirror(Net(torch.float32))
     opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1), overlap=True)

@@ -187,18 +187,25 @@ def test_bad_arguments():
 
 # -- several workers -------------------------------------------------------------------
 
-def _worker(directory: str, signal_rank: int | None, signal_at: int | None) -> dict:
+def _worker(directory: str, signal_rank: int | None, signal_at: int | None,
+            uninterrupted_first: str | None = None) -> dict:
+    """Trains in ``directory`` (signalled as asked); with ``uninterrupted_first``, the
+    same job first trains uninterrupted in that directory (one job for both runs)."""
     strategy = mirrored.MultiWorkerMirroredStrategy(
         communication_options=CommunicationOptions(timeout_seconds=30))
     rank = strategy.cluster_resolver.worker_index
+    out = {}
     try:
+        if uninterrupted_first is not None:
+            handler, model = train(strategy, uninterrupted_first)
+            out["uninterrupted"] = {"runs": handler.total_run_calls, "state": state_of(model)}
         try:
             handler, model = train(strategy, directory,
                                    signal_at=signal_at if rank == signal_rank else None)
         except SystemExit as e:  # the default exit_fn: every worker exits, code 42
-            return {"exit": e.code, "steps": mirrored.CheckpointManager(
+            return {**out, "exit": e.code, "steps": mirrored.CheckpointManager(
                 strategy, directory).steps()}
-        return {"exit": None, "runs": handler.total_run_calls, "state": state_of(model)}
+        return {**out, "exit": None, "runs": handler.total_run_calls, "state": state_of(model)}
     finally:
         strategy.close()
 
@@ -207,11 +214,13 @@ def _worker(directory: str, signal_rank: int | None, signal_at: int | None) -> d
 def test_sigterm_to_one_of_three_workers_saves_one_step_everywhere(tmp_path):
     run = mirrored.testing.run_multi_process
     directory = str(tmp_path / "a")
-    stopped = run(_worker, 3, args=(directory, 1, 4), timeout=70)
+    # One job trains uninterrupted (in b), then again in a, where worker 1 gets SIGTERM.
+    stopped = run(_worker, 3, args=(directory, 1, 4, str(tmp_path / "b")), timeout=70)
+    uninterrupted = [r.pop("uninterrupted") for r in stopped]
+    assert [r["runs"] for r in uninterrupted] == [STEPS] * 3
     # Worker 1 got SIGTERM during step 4; every worker saved 5 steps and exited with 42.
     assert stopped == [{"exit": 42, "steps": [5]}] * 3
     resumed = run(_worker, 3, args=(directory, None, None), timeout=70)
-    uninterrupted = run(_worker, 3, args=(str(tmp_path / "b"), None, None), timeout=70)
     assert [r["runs"] for r in resumed] == [STEPS] * 3
     assert resumed[0]["state"] == uninterrupted[0]["state"]  # bitwise
     assert all(r["state"] == resumed[0]["state"] for r in resumed + uninterrupted)
@@ -249,7 +258,7 @@ EXAMPLE = pathlib.Path(__file__).parent.parent / "examples" / "train_digits.py"
 
 
 @pytest.mark.timeout(400)
-def test_the_digits_example_saves_on_sigterm_and_resumes_bitwise(tmp_path):
+def test_the_digits_example_saves_on_sigterm_and_resumes_bitwise(tmp_path, digits_two_replicas):
     pytest.importorskip("sklearn")
     common = [sys.executable, "-u", str(EXAMPLE), "--replicas", "2", "--epochs", "2"]
     preempted = [*common, "--preemption", "--checkpoint-dir", str(tmp_path / "ckpt"),
@@ -267,9 +276,8 @@ def test_the_digits_example_saves_on_sigterm_and_resumes_bitwise(tmp_path):
     assert 15 <= step < 30  # in epoch 2 (max_to_keep=1: one checkpoint)
     resumed = subprocess.run(preempted, capture_output=True, text=True, timeout=150)
     assert f"resumed from step {step} (epoch 2, batch {step - 15 + 1})" in resumed.stdout
-    straight = subprocess.run([*common, "--save-final", str(tmp_path / "straight.pt")],
-                              capture_output=True, text=True, timeout=150)
-    assert resumed.returncode == straight.returncode == 0, resumed.stderr + straight.stderr
+    assert resumed.returncode == 0, resumed.stderr
+    _, straight = digits_two_replicas()  # the same command without --preemption
     a = torch.load(tmp_path / "resumed.pt", weights_only=True)
-    b = torch.load(tmp_path / "straight.pt", weights_only=True)
+    b = torch.load(straight, weights_only=True)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bitwise

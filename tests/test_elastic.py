@@ -162,10 +162,19 @@ def test_a_killed_worker_is_left_out_then_rejoins_with_a_peers_state():
     # The loss goes down through the failure: each step's loss is of its own batch, so
     # compare means over windows of steps (before the kill, after the rejoin, the end).
     log0 = [entry for entry in results[0]["log"] if entry[3]]
-    loss_at = {entry[0]: entry[5] for entry in log0}
+    loss_at: dict[int, list[float]] = {}
+    for index in (0, 1):  # the survivors' committed steps (one may have joined late)
+        for entry in results[index]["log"]:
+            if entry[3]:
+                loss_at.setdefault(entry[0], []).append(entry[5])
 
     def mean_loss(lo: int, hi: int) -> float:
-        values = [loss_at[i] for i in range(lo, hi) if i in loss_at]
+        # Over the logged steps in [lo, hi); where a worker joined inside the window,
+        # over the 5 logged steps just below hi.
+        logged = sorted(loss_at)
+        steps = [s for s in logged if lo <= s < hi] or [s for s in logged if s < hi][-5:]
+        values = [v for s in steps for v in loss_at[s]]
+        assert values, (lo, hi, logged)
         return sum(values) / len(values)
 
     start = eval_loss(model(0))

@@ -196,6 +196,17 @@ def call_in_replica(strategy: Strategy, replica_context: ReplicaContext,
         stack.pop()
 
 
+def may_run_directly(strategy: Strategy) -> bool:
+    """Whether ``strategy.run`` may start here with nothing to refuse or nest: this
+    thread is outside every scope and ``run``, or in ``strategy``'s own scope (the
+    one-replica fast path; anything else takes the checked path)."""
+    stack = _state.stack
+    if not stack:
+        return True
+    top = stack[-1]
+    return top.strategy is strategy and not top.in_run
+
+
 @contextmanager
 def in_merge_fn(strategy: Strategy) -> Iterator[None]:
     """Puts this thread in the cross-replica context of a ``merge_fn`` of ``strategy``."""

@@ -26,6 +26,7 @@ from .reduce_op import ReduceOp
 
 __all__ = [
     "LeafPlan",
+    "cached_plan",
     "check_dtype",
     "describe",
     "describe_spec",
@@ -203,6 +204,20 @@ class LeafPlan:
 
 
 _plans: dict[tuple[ReduceOp, torch.dtype, int, tuple[int, ...] | None], LeafPlan] = {}
+
+
+def cached_plan(op: ReduceOp, tensor: torch.Tensor, axes: tuple[int, ...] | None
+                ) -> LeafPlan | None:
+    """The plan `plan_leaf` made earlier for a tensor of this dtype and rank (it checked
+    them then), or ``None``: a hot path that skips building a message.
+
+    Example:
+        >>> t = torch.ones(3)
+        >>> plan = plan_leaf("reduce(MEAN, axis=0)", ReduceOp.MEAN, t, (0,), "value")
+        >>> cached_plan(ReduceOp.MEAN, t, (0,)) is plan
+        True
+    """
+    return _plans.get((op, tensor.dtype, tensor.dim(), axes))
 
 
 def plan_leaf(title: str, op: ReduceOp, tensor: torch.Tensor, axes: tuple[int, ...] | None,

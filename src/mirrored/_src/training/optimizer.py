@@ -182,12 +182,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
                              f"{clip_grad_norm!r}")
         params = self._params[r]
         optimizer = self._optimizers[r]
-        if self._strategy.num_replicas_in_sync == 1:  # the gradients are the global ones
-            if clip_grad_norm is not None:
-                nn.utils.clip_grad_norm_(params, clip_grad_norm)
-            optimizer.step()
-            return
-        reducer = self._reducer
+        reducer = self._reducer  # (one replica in all: no all-reduce, the same refusals)
         if not reducer.reduced[r]:
             reducer.reduce(ctx, r)
         reducer.reduced[r] = False
@@ -208,6 +203,21 @@ class MirroredOptimizer(torch.optim.Optimizer):
         if self._strategy.num_replicas_in_sync == 1:
             return None
         return replica_index(self._strategy, "GradScaler.step", required=False)
+
+    def amp_settle(self, stepped: bool) -> None:
+        """One replica in sync, torch's own ``GradScaler``: before its ``unscale_``
+        (``stepped=False``) the gradients are settled as the all-reduce of N replicas
+        settles them (a gradient changed since ``backward()`` is refused; clipping after
+        ``unscale_`` is allowed); after its ``step`` (``stepped=True``, taken or skipped
+        for an inf) they are used up."""
+        r = replica_index(self._strategy, "GradScaler.unscale_", required=False)
+        if r is None:
+            return
+        if stepped:
+            self._reducer.reduced[r] = False
+        elif not self._reducer.reduced[r]:
+            ctx, r = replica_of(self._strategy, "GradScaler.unscale_")
+            self._reducer.reduce(ctx, r)
 
     def amp_unscale(self, inv_scale: torch.Tensor) -> tuple[torch.Tensor, int]:
         """All-reduces this replica's gradients, then unscales them and checks them for
@@ -262,6 +272,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
                         "drop a step's gradients on purpose, call optimizer.step() with a "
                     "learning rate of 0 or do not call backward()")
         for i in replicas:
+            self._reducer.reduced[i] = False  # (all-reduced by unscale_: discarded now)
             self._optimizers[i].zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:

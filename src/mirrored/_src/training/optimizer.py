@@ -180,10 +180,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
                 or not clip_grad_norm > 0 or math.isinf(clip_grad_norm)):
             raise ValueError(f"clip_grad_norm must be a positive finite number or None; got "
                              f"{clip_grad_norm!r}")
-        params = self._params[r]
-        optimizer = self._optimizers[r]
-        reducer = self._reducer  # (one replica in all: no all-reduce, the same refusals)
-        if not reducer.reduced[r]:
+        params, optimizer, reducer = self._params[r], self._optimizers[r], self._reducer
+        if not reducer.reduced[r]:  # (one replica in all: no all-reduce, the same refusals)
             reducer.reduce(ctx, r)
         reducer.reduced[r] = False
         if r:
@@ -205,19 +203,14 @@ class MirroredOptimizer(torch.optim.Optimizer):
         return replica_index(self._strategy, "GradScaler.step", required=False)
 
     def amp_settle(self, stepped: bool) -> None:
-        """One replica in sync, torch's own ``GradScaler``: before its ``unscale_``
-        (``stepped=False``) the gradients are settled as the all-reduce of N replicas
-        settles them (a gradient changed since ``backward()`` is refused; clipping after
-        ``unscale_`` is allowed); after its ``step`` (``stepped=True``, taken or skipped
-        for an inf) they are used up."""
+        """One replica, torch's own scaler: before its ``unscale_`` the gradients are
+        settled as N replicas' all-reduce settles them (changed since ``backward()``:
+        refused); after its ``step`` (taken or skipped) they are used up."""
         r = replica_index(self._strategy, "GradScaler.unscale_", required=False)
-        if r is None:
-            return
-        if stepped:
+        if r is not None and stepped:
             self._reducer.reduced[r] = False
-        elif not self._reducer.reduced[r]:
-            ctx, r = replica_of(self._strategy, "GradScaler.unscale_")
-            self._reducer.reduce(ctx, r)
+        elif r is not None and not self._reducer.reduced[r]:
+            self._reducer.reduce(*replica_of(self._strategy, "GradScaler.unscale_"))
 
     def amp_unscale(self, inv_scale: torch.Tensor) -> tuple[torch.Tensor, int]:
         """All-reduces this replica's gradients, then unscales them and checks them for

@@ -58,6 +58,9 @@ class _Frame(NamedTuple):
     in_run: bool = False
 
 
+_new_frame = tuple.__new__  # a _Frame without NamedTuple's Python-level __new__ (hot path)
+
+
 class _State(threading.local):
     def __init__(self) -> None:
         self.stack: list[_Frame] = []
@@ -189,7 +192,7 @@ def call_in_replica(strategy: Strategy, replica_context: ReplicaContext,
     """Calls ``fn`` with this thread in ``replica_context`` of ``strategy`` (used by
     `run`; a plain push/pop, cheaper than a context manager on the hot path)."""
     stack = _state.stack
-    stack.append(_Frame(strategy, replica_context, in_run=True))
+    stack.append(_new_frame(_Frame, (strategy, replica_context, False, True)))  # in_run
     try:
         return fn(*args, **kwargs)
     finally:

@@ -86,8 +86,22 @@ def _reduce_alone(op: ReduceOp, tensor: torch.Tensor, axes: tuple[int, ...],
     return _to(finish(plan, partial, count if plan.counts else 1, in_place=True), device)
 
 
+# (reduce_op, axis) -> (ReduceOp, axes) for an int axis: the one-replica path parses a
+# call's arguments once (types are checked before anything is cached, and a bool or a
+# float axis never reaches the cache, so False cannot pass for 0).
+_PARSED: dict[tuple[Any, int], tuple[ReduceOp, tuple[int, ...]]] = {}
+
+
 def reduce(parts: Parts, reduce_op: ReduceOp | str, value: Any, axis: Any) -> Any:
     """`Strategy.reduce`; see its docstring."""
+    if (type(value) is torch.Tensor and type(axis) is int
+            and parts.topology.num_replicas_in_sync == 1):
+        parsed = _PARSED.get((reduce_op, axis)) if type(reduce_op) in (str, ReduceOp) else None
+        if parsed is None:
+            parsed = ReduceOp.from_value(reduce_op), (axis,)
+            if len(_PARSED) < 256:
+                _PARSED[(reduce_op, axis)] = parsed
+        return _reduce_alone(parsed[0], _detached(value), parsed[1], current_device())
     op = ReduceOp.from_value(reduce_op)
     axes = normalize_axis(axis)
     device = current_device()

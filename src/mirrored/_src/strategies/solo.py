@@ -59,7 +59,7 @@ class SoloRun:
         self._context = replica_context
         self._note = note
 
-    def __call__(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    def run(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         """``fn(*args)`` in the replica's context, or `NOT_TAKEN`."""
         if (kwargs or type(args) is not tuple or _function_modes() or _thread_profiled()
                 or getattr(_profiler, "_is_profiler_enabled", False)):

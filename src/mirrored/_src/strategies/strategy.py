@@ -129,7 +129,7 @@ class Strategy:
             >>> strategy.run(lambda v: v * 10, args=(x,))
             PerReplica:{0: tensor(0.), 1: tensor(10.)}
         """
-        if self._solo is not None and (out := self._solo(fn, args, kwargs)) is not NOT_TAKEN:
+        if self._solo is not None and (out := self._solo.run(fn, args, kwargs)) is not NOT_TAKEN:
             return out
         replica_args = distribute.check_run(self._parts, args, kwargs)
         contexts = self._contexts

@@ -120,8 +120,9 @@ class GradientWatch:
 
     def __init__(self, params: Sequence[Sequence[nn.Parameter]]) -> None:
         self._params = params
-        self.seen: list[list[tuple[torch.Tensor, int] | None]] = [
-            [None] * len(p) for p in params]
+        self._none: list[list[tuple[torch.Tensor, int] | None]] = [[None] * len(p)
+                                                                   for p in params]
+        self.seen = list(self._none)  # per replica: a backward's records, or all None
         self._pending = [False] * len(params)  # seen holds a backward's gradients
         self._queued = [False] * len(params)
         self.handles = [p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
@@ -131,19 +132,12 @@ class GradientWatch:
 
     def _hook(self, r: int) -> Callable[[torch.Tensor], None]:
         params = self._params[r]
-        seen = self.seen[r]
 
         def snapshot() -> None:
             self._queued[r] = False
-            pending = False
-            for k, p in enumerate(params):
-                g = p.grad
-                if g is None:
-                    seen[k] = None
-                else:
-                    seen[k] = (g, g._version)
-                    pending = True
-            self._pending[r] = pending
+            seen = self.seen[r] = [None if (g := p.grad) is None else (g, g._version)
+                                   for p in params]
+            self._pending[r] = seen != self._none[r]
 
         def hook(_: torch.Tensor) -> None:
             if not self._queued[r]:
@@ -169,8 +163,11 @@ class GradientWatch:
         return out
 
     def clear(self, r: int) -> None:
-        """Forgets replica ``r``'s records (its gradients were all-reduced)."""
+        """Forgets replica ``r``'s records (its gradients were all-reduced). The records
+        hold the gradients: kept, they would outlive ``zero_grad()``, and the next
+        backward would allocate (and page-fault) fresh memory instead of reusing theirs."""
         self._pending[r] = False
+        self.seen[r] = self._none[r]
 
     def remove(self) -> None:
         """Removes every hook."""

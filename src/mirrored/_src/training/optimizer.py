@@ -91,8 +91,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
         self._optimizer_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
         self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._module = module
-        self._strategy = module.strategy
+        self._module, self._strategy = module, module.strategy
+        self._known = module._known  # replica context -> local index (the fast lookup)
         self._optimizers = optimizers
         self._params = params
         self._reducer = GradientReducer(module, params, names, check=check, buffers=buffers,
@@ -174,7 +174,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step(self, clip_grad_norm: float | None) -> None:
-        ctx, r = replica_of(self._strategy, "MirroredOptimizer.step")
+        ctx, r = replica_of(self._strategy, "MirroredOptimizer.step", self._known)
         if clip_grad_norm is not None and (
                 isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, int | float)
                 or not clip_grad_norm > 0 or math.isinf(clip_grad_norm)):
@@ -252,7 +252,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
                 all-reduced (no ``step()`` since): each copy would be updated with
                 its own gradients (a manual update) or they would be lost.
         """
-        r = replica_index(self._strategy, "MirroredOptimizer.zero_grad", required=False)
+        r = replica_index(self._strategy, "MirroredOptimizer.zero_grad", required=False,
+                          known=self._known)
         replicas = range(len(self._optimizers)) if r is None else (r,)
         for i in replicas:
             if self._reducer.discards(i):

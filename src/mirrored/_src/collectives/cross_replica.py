@@ -90,6 +90,11 @@ def _reduce_alone(op: ReduceOp, tensor: torch.Tensor, axes: tuple[int, ...],
 # call's arguments once (types are checked before anything is cached, and a bool or a
 # float axis never reaches the cache, so False cannot pass for 0).
 _PARSED: dict[tuple[Any, int], tuple[ReduceOp, tuple[int, ...]]] = {}
+# Where the plan's MEAN (a sum in the input's dtype divided in place by the count) is
+# exactly torch's CPU mean: at::mean_out on the CPU is sum_out(...).div_(count) for
+# these dtypes (tested against the general path, bit for bit).
+_SUM_IS_MEAN = frozenset({torch.float32, torch.float64})
+_function_modes = torch._C._len_torch_function_stack  # a device mode: results move
 
 
 def reduce(parts: Parts, reduce_op: ReduceOp | str, value: Any, axis: Any) -> Any:
@@ -101,7 +106,13 @@ def reduce(parts: Parts, reduce_op: ReduceOp | str, value: Any, axis: Any) -> An
             parsed = ReduceOp.from_value(reduce_op), (axis,)
             if len(_PARSED) < 256:
                 _PARSED[(reduce_op, axis)] = parsed
-        return _reduce_alone(parsed[0], _detached(value), parsed[1], current_device())
+        tensor = value.detach() if value.requires_grad else value
+        plan = cached_plan(parsed[0], tensor, parsed[1])
+        if (plan is not None and plan.op is ReduceOp.MEAN and tensor.dtype in _SUM_IS_MEAN
+                and tensor.is_cpu and not _function_modes()):
+            # torch's CPU mean of float32/64 is this sum divided by the count: one op.
+            return tensor.mean(plan.dims)
+        return _reduce_alone(parsed[0], tensor, parsed[1], current_device())
     op = ReduceOp.from_value(reduce_op)
     axes = normalize_axis(axis)
     device = current_device()

@@ -70,15 +70,12 @@ class SoloRun:
         strategy = self._strategy_ref()
         if not context.may_run_directly(strategy):
             return NOT_TAKEN
-        key = context.run_started(strategy)
         try:
-            return context.call_in_replica(strategy, self._context, fn, args, {})
+            return context.call_in_run(strategy, self._context, fn, args)
         except Exception as error:
             if self._note is not None:
                 error.__notes__ = [*getattr(error, "__notes__", []), self._note]  # add_note
             raise
-        finally:
-            context.run_finished(key)
 
 
 def solo_run(strategy: Any, parts: Parts, replica_context: Any) -> SoloRun | None:

@@ -76,7 +76,7 @@ def replica_of(strategy: Strategy, what: str, known: dict[Any, int] | None = Non
     """The calling replica's context and local index; raises as `replica_index`
     with ``required=True``."""
     ctx = context.current_replica_context()
-    if known is not None and (index := known.get(ctx)) is not None:
+    if known is not None and ctx is not None and (index := known.get(ctx)) is not None:
         return ctx, index
     if ctx is None or ctx.strategy is not strategy:
         replica_index(strategy, what, required=True)  # raises the right error

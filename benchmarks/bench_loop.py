@@ -21,7 +21,10 @@ so machine noise hits them alike:
 - ``prefetch 2``: the README loop with ``experimental_prefetch_depth=2`` (a background
   thread prepares two steps ahead);
 - ``no reduce``: the README loop without the per-step ``strategy.reduce``;
-- ``run only``: ``strategy.run`` of the plain step (plain model and optimizer).
+- ``run only``: ``strategy.run`` of the plain step (plain model and optimizer);
+- ``plain again``: the plain loop once more, built last: its ratio to ``plain`` is the
+  measurement's own spread (where tensors land in memory, build order), to read the
+  other ratios against.
 
 Target: ``default`` within 5 % of ``plain`` at batch 64 and 256. Each figure is the
 median over the interleaved repeats; the line "overhead" also gives the median of the
@@ -185,6 +188,7 @@ def main() -> None:
                     batches, mirrored.InputOptions(experimental_prefetch_depth=2)),
                 "no reduce": mirrored_epoch(batches, None, reduce=False),
                 "run only": run_only_epoch(batches),
+                "plain again": plain_epoch(batches),  # A/A: the spread between equal loops
             }
             wall, cpu = interleaved(fns, 5 if args.quick else 21)
             for label, samples in (("wall", wall), ("CPU", cpu)):

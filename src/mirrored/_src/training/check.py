@@ -164,8 +164,8 @@ class GradientWatch:
 
     def clear(self, r: int) -> None:
         """Forgets replica ``r``'s records (its gradients were all-reduced). The records
-        hold the gradients: kept, they would outlive ``zero_grad()``, and the next
-        backward would allocate (and page-fault) fresh memory instead of reusing theirs."""
+        hold the gradients: kept, they would outlive ``zero_grad()`` and keep a step's
+        gradients alive into the next."""
         self._pending[r] = False
         self.seen[r] = self._none[r]
 

@@ -58,6 +58,9 @@ class _Frame(NamedTuple):
     in_run: bool = False
 
 
+_new_frame = tuple.__new__  # a _Frame without NamedTuple's Python-level __new__ (hot path)
+
+
 class _State(threading.local):
     def __init__(self) -> None:
         self.stack: list[_Frame] = []
@@ -189,11 +192,39 @@ def call_in_replica(strategy: Strategy, replica_context: ReplicaContext,
     """Calls ``fn`` with this thread in ``replica_context`` of ``strategy`` (used by
     `run`; a plain push/pop, cheaper than a context manager on the hot path)."""
     stack = _state.stack
-    stack.append(_Frame(strategy, replica_context, in_run=True))
+    stack.append(_new_frame(_Frame, (strategy, replica_context, False, True)))  # in_run
     try:
         return fn(*args, **kwargs)
     finally:
         stack.pop()
+
+
+def may_run_directly(strategy: Strategy) -> bool:
+    """Whether ``strategy.run`` may start here with nothing to refuse or nest: this
+    thread is outside every scope and ``run``, or in ``strategy``'s own scope (the
+    one-replica fast path; anything else takes the checked path)."""
+    stack = _state.stack
+    if not stack:
+        return True
+    top = stack[-1]
+    return top.strategy is strategy and not top.in_run
+
+
+def call_in_run(strategy: Strategy, replica_context: ReplicaContext,
+                fn: Callable[..., Any], args: Any) -> Any:
+    """``fn(*args)`` as the one replica of a ``run`` of ``strategy`` on this thread: the
+    run marked in flight (`run_started`) and this thread in ``replica_context``, in one
+    frame (the one-replica ``run``; the caller checked `may_run_directly`)."""
+    key = id(strategy)
+    with _in_flight_lock:
+        _in_flight[key] = _in_flight.get(key, 0) + 1
+    stack = _state.stack
+    stack.append(_new_frame(_Frame, (strategy, replica_context, False, True)))  # in_run
+    try:
+        return fn(*args)
+    finally:
+        stack.pop()
+        run_finished(key)
 
 
 @contextmanager
@@ -248,10 +279,10 @@ def get_replica_context() -> ReplicaContext | None:
         >>> strategy.experimental_local_results(ids)
         (0, 1)
     """
-    top = _top()
-    if top is None:
+    stack = _state.stack  # (_top inlined: this runs in every step)
+    if not stack:
         return _default().default_replica_context
-    return top.replica_context
+    return stack[-1].replica_context
 
 
 def get_cross_replica_context() -> Strategy | None:
@@ -304,8 +335,11 @@ def in_merge_fn_of_run() -> bool:
 def current_replica_context() -> ReplicaContext | None:
     """The `ReplicaContext` of the ``run`` this thread is inside, else ``None``
     (unlike `get_replica_context`, never the default replica context)."""
-    top = _top()
-    return top.replica_context if top is not None and top.in_run else None
+    stack = _state.stack  # (_top inlined: this runs in every step)
+    if not stack:
+        return None
+    top = stack[-1]
+    return top.replica_context if top.in_run else None
 
 
 _in_flight: dict[int, int] = {}
@@ -355,5 +389,5 @@ def refuse_default_context_in_foreign_thread(what: str) -> None:
 
 def in_run() -> bool:
     """Whether this thread runs a replica or a ``merge_fn`` of some ``strategy.run``."""
-    top = _top()
-    return top is not None and top.in_run
+    stack = _state.stack
+    return bool(stack) and stack[-1].in_run

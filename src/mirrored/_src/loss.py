@@ -65,7 +65,8 @@ def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = 
                              f"{global_batch_size!r}")
         return total / int(size)
     if replica.num_replicas_in_sync == 1:  # the local count is the global one
-        if replica.strategy is not None and replica.strategy.default_replica_context is replica:
+        if not context.in_run() and replica.strategy is not None and (
+                replica.strategy.default_replica_context is replica):
             context.refuse_default_context_in_foreign_thread("compute_average_loss")
         return total / loss.shape[0]
     # One exchange of plain ints (one checked int64 sum across workers); dividing by

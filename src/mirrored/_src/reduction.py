@@ -26,6 +26,7 @@ from .reduce_op import ReduceOp
 
 __all__ = [
     "LeafPlan",
+    "cached_plan",
     "check_dtype",
     "describe",
     "describe_spec",
@@ -202,7 +203,23 @@ class LeafPlan:
         return self.dims is not None and self.op is not ReduceOp.SUM
 
 
-_plans: dict[tuple[ReduceOp, torch.dtype, int, tuple[int, ...] | None], LeafPlan] = {}
+# Keyed by the op's value: an Enum's __hash__ (and .value) is a Python call, and this
+# runs per step.
+_plans: dict[tuple[str, torch.dtype, int, tuple[int, ...] | None], LeafPlan] = {}
+
+
+def cached_plan(op: ReduceOp, tensor: torch.Tensor, axes: tuple[int, ...] | None
+                ) -> LeafPlan | None:
+    """The plan `plan_leaf` made earlier for a tensor of this dtype and rank (it checked
+    them then), or ``None``: a hot path that skips building a message.
+
+    Example:
+        >>> t = torch.ones(3)
+        >>> plan = plan_leaf("reduce(MEAN, axis=0)", ReduceOp.MEAN, t, (0,), "value")
+        >>> cached_plan(ReduceOp.MEAN, t, (0,)) is plan
+        True
+    """
+    return _plans.get((op._value_, tensor.dtype, tensor.dim(), axes))
 
 
 def plan_leaf(title: str, op: ReduceOp, tensor: torch.Tensor, axes: tuple[int, ...] | None,
@@ -212,7 +229,7 @@ def plan_leaf(title: str, op: ReduceOp, tensor: torch.Tensor, axes: tuple[int, .
     Plans depend only on the op, dtype, rank and axes, so valid ones are cached
     (a gradient all-reduce plans hundreds of leaves per step).
     """
-    key = (op, tensor.dtype, tensor.dim(), axes)
+    key = (op._value_, tensor.dtype, tensor.dim(), axes)
     plan = _plans.get(key)
     if plan is not None:
         return plan

@@ -19,6 +19,7 @@ from ..devices import Device, current_device
 from ..reduce_op import ReduceOp
 from ..reduction import (
     LeafPlan,
+    cached_plan,
     check_dtype,
     finish,
     no_elements_message,
@@ -26,6 +27,7 @@ from ..reduction import (
     op_title,
     plan_components,
     plan_gather,
+    plan_leaf,
     prepare,
 )
 from ..values import DistributedValues, Mirrored, PerReplica, to_tensor
@@ -64,31 +66,62 @@ def _detached(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach() if tensor.requires_grad else tensor
 
 
-def _reduce_alone(title: str, op: ReduceOp, tensor: torch.Tensor, axes: tuple[int, ...],
-                  parts: Parts, device: torch.device) -> torch.Tensor:
+def _reduce_alone(op: ReduceOp, tensor: torch.Tensor, axes: tuple[int, ...],
+                  device: torch.device) -> torch.Tensor:
     """One replica in all, a tensor, an axis (the README loop's per-step reduce): the
-    replica's own reduction is the result, with no communicator round trip."""
-    where = pytree.format_path(())
-    plan = plan_components(title, op, [tensor], axes, parts.topology.labels, where)
+    replica's own reduction is the result, with no communicator round trip and no
+    message built unless something is wrong (a valid plan is cached by dtype, rank
+    and axes). MEAN is ``sum(dim, dtype=accumulation).div_(count)``, which is what
+    ``tensor.mean(dim)`` computes on the CPU for floating dtypes."""
+    plan = cached_plan(op, tensor, axes)
+    if plan is None:
+        title = op_title("reduce", op, axes, show_none=True)
+        plan = plan_leaf(title, op, tensor, axes, pytree.format_path(()))
     partial, count = prepare(plan, tensor)
     if plan.dims is not None and plan.op in (ReduceOp.MIN, ReduceOp.MAX) and not count:
-        raise ValueError(no_elements_message(title, where))
+        raise ValueError(no_elements_message(op_title("reduce", op, axes, show_none=True),
+                                             pytree.format_path(())))
     if partial is tensor:  # never hand back (or divide) the caller's own tensor
         partial = partial.clone()
     return _to(finish(plan, partial, count if plan.counts else 1, in_place=True), device)
 
 
+# (reduce_op, axis) -> (ReduceOp, axes) for an int axis: the one-replica path parses a
+# call's arguments once (types are checked before anything is cached, and a bool or a
+# float axis never reaches the cache, so False cannot pass for 0).
+_PARSED: dict[tuple[Any, int], tuple[ReduceOp, tuple[int, ...]]] = {}
+# Where the plan's MEAN (a sum in the input's dtype divided in place by the count) is
+# exactly torch's CPU mean: at::mean_out on the CPU is sum_out(...).div_(count) for
+# these dtypes (tested against the general path, bit for bit).
+_SUM_IS_MEAN = frozenset({torch.float32, torch.float64})
+_function_modes = torch._C._len_torch_function_stack  # a device mode: results move
+
+
 def reduce(parts: Parts, reduce_op: ReduceOp | str, value: Any, axis: Any) -> Any:
     """`Strategy.reduce`; see its docstring."""
+    if (type(value) is torch.Tensor and type(axis) is int
+            and parts.topology.num_replicas_in_sync == 1):
+        parsed = _PARSED.get((reduce_op, axis)) if type(reduce_op) in (str, ReduceOp) else None
+        if parsed is None:
+            parsed = ReduceOp.from_value(reduce_op), (axis,)
+            if len(_PARSED) < 256:
+                _PARSED[(reduce_op, axis)] = parsed
+        tensor = value.detach() if value.requires_grad else value
+        plan = cached_plan(parsed[0], tensor, parsed[1])
+        if (plan is not None and plan.op is ReduceOp.MEAN and tensor.dtype in _SUM_IS_MEAN
+                and tensor.is_cpu and not _function_modes()):
+            # torch's CPU mean of float32/64 is this sum divided by the count: one op.
+            return tensor.mean(plan.dims)
+        return _reduce_alone(parsed[0], tensor, parsed[1], current_device())
     op = ReduceOp.from_value(reduce_op)
     axes = normalize_axis(axis)
     device = current_device()
     topology = parts.topology
-    n_local = topology.num_local_replicas
-    title = op_title("reduce", op, axes, show_none=True)
     if (type(value) is torch.Tensor and axes is not None
             and topology.num_replicas_in_sync == 1):  # one replica in all: nothing to meet
-        return _reduce_alone(title, op, _detached(value), axes, parts, device)
+        return _reduce_alone(op, _detached(value), axes, device)
+    n_local = topology.num_local_replicas
+    title = op_title("reduce", op, axes, show_none=True)
     paths, leaves, spec = pytree.flatten_with_path(value)
     out: list[Any] = [None] * len(leaves)
     jobs: list[tuple[int, LeafPlan, list[torch.Tensor], list[int]]] = []

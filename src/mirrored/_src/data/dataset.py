@@ -60,18 +60,37 @@ def _pack(spec: Any, per_leaf: Sequence[Sequence[torch.Tensor]], topology: Topol
                                    for chunks in per_leaf])
 
 
+def _as_is(batch: Any, device: torch.device | None) -> bool:
+    """Whether one replica in one process takes ``batch`` exactly as it is: a tensor or a
+    tuple of tensors, already on the replica's device (``None``: wherever it is).
+    `_pack` would rebuild an equal tuple of the same tensors."""
+    if type(batch) is torch.Tensor:
+        return device is None or batch.device == device
+    if type(batch) is not tuple or not batch:
+        return False
+    for leaf in batch:
+        if type(leaf) is not torch.Tensor or (device is not None and leaf.device != device):
+            return False
+    return True
+
+
 def _global_batch_steps(source: Iterable[Any], topology: Topology,
                         fetch: bool) -> Generator[Any, None, None]:
     n, ids = topology.num_replicas_in_sync, topology.replica_ids
     devices = topology.torch_devices if fetch and not topology.follows_caller else None
+    device = None if devices is None else devices[0]
+    plain = _plain(topology)
     iterator = iter(source)
     try:
         for index, batch in enumerate(iterator):
-            what = f"batch {index} of the dataset"
             if n == 1:  # nothing to split: elements of any rank pass as they are (TF)
-                leaves, spec = flatten_element(batch, what)
+                if plain and _as_is(batch, device):
+                    yield batch
+                    continue
+                leaves, spec = flatten_element(batch, f"batch {index} of the dataset")
                 yield _pack(spec, [(leaf,) for leaf in leaves], topology, devices)
                 continue
+            what = f"batch {index} of the dataset"
             leaves, spec, batch_size = flatten_batch(batch, what)
             yield _pack(spec, split_leaves(leaves, batch_size, n, ids), topology, devices)
     finally:

@@ -30,8 +30,8 @@ def require_cross_replica(parts: Parts, method: str) -> None:
     Raises:
         RuntimeError: naming the method and what to use instead.
     """
-    if parts.topology.follows_caller:
-        return
+    if parts.topology.follows_caller or context.may_run_directly(parts.strategy):
+        return  # (outside every scope and run, or in this strategy's own scope)
     context.refuse_other_strategy(parts.strategy, f"{parts.name}.{method}")
     if context.current_replica_context():
         raise RuntimeError(

@@ -28,6 +28,7 @@ from ..values import ValueContext, regroup
 from . import distribute
 from .extended import StrategyExtended
 from .replica_context import ReplicaContext
+from .solo import NOT_TAKEN, solo_run
 
 __all__ = ["Strategy"]
 
@@ -62,6 +63,7 @@ class Strategy:
                                for i in range(topology.num_local_replicas))
         self._extended = StrategyExtended(self._parts)
         self._raw_single_values = raw_single_values
+        self._solo = solo_run(self, self._parts, self._contexts[0])  # one replica: fast run
         weakref.finalize(self, runtime.close)
 
     @property
@@ -127,6 +129,8 @@ class Strategy:
             >>> strategy.run(lambda v: v * 10, args=(x,))
             PerReplica:{0: tensor(0.), 1: tensor(10.)}
         """
+        if self._solo is not None and (out := self._solo.run(fn, args, kwargs)) is not NOT_TAKEN:
+            return out
         replica_args = distribute.check_run(self._parts, args, kwargs)
         contexts = self._contexts
         if distribute.nested_in_merge_fn(self._parts):

@@ -62,6 +62,11 @@ class ScaledOptimizer(Protocol):
         """Steps (gradients already reduced and unscaled) unless ``found_inf``."""
         ...
 
+    def amp_settle(self, stepped: bool) -> None:
+        """Where the scaler acts as torch's own with one replica in sync: called before
+        its ``unscale_`` (``stepped=False``) and after its ``step`` (``True``)."""
+        ...
+
 
 @dataclasses.dataclass
 class _State:
@@ -127,6 +132,8 @@ def _wrapped_unscale(original: Callable[..., Any]) -> Callable[..., Any]:
     def unscale_(self: Any, optimizer: Any) -> None:
         target = _target(self, optimizer)
         if target is None:
+            if getattr(self, "_enabled", False) and isinstance(optimizer, ScaledOptimizer):
+                optimizer.amp_settle(stepped=False)  # one replica: checked as N replicas
             return original(self, optimizer)  # type: ignore[no-any-return]
         _unscale(self, *target)
         return None
@@ -138,7 +145,10 @@ def _wrapped_step(original: Callable[..., Any]) -> Callable[..., Any]:
     def step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         target = _target(self, optimizer)
         if target is None:
-            return original(self, optimizer, *args, **kwargs)
+            result = original(self, optimizer, *args, **kwargs)
+            if getattr(self, "_enabled", False) and isinstance(optimizer, ScaledOptimizer):
+                optimizer.amp_settle(stepped=True)
+            return result
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is "
                                "enabled.")

@@ -120,8 +120,10 @@ class GradientWatch:
 
     def __init__(self, params: Sequence[Sequence[nn.Parameter]]) -> None:
         self._params = params
-        self.seen: list[list[tuple[torch.Tensor, int] | None]] = [
-            [None] * len(p) for p in params]
+        self._none: list[list[tuple[torch.Tensor, int] | None]] = [[None] * len(p)
+                                                                   for p in params]
+        self.seen = list(self._none)  # per replica: a backward's records, or all None
+        self._pending = [False] * len(params)  # seen holds a backward's gradients
         self._queued = [False] * len(params)
         self.handles = [p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                             self._hook(r))
@@ -129,12 +131,13 @@ class GradientWatch:
                                                                   id(ps[-1]): ps[-1]}.values()]
 
     def _hook(self, r: int) -> Callable[[torch.Tensor], None]:
+        params = self._params[r]
+
         def snapshot() -> None:
             self._queued[r] = False
-            seen = self.seen[r]
-            for k, p in enumerate(self._params[r]):
-                g = p.grad
-                seen[k] = None if g is None else (g, g._version)
+            seen = self.seen[r] = [None if (g := p.grad) is None else (g, g._version)
+                                   for p in params]
+            self._pending[r] = seen != self._none[r]
 
         def hook(_: torch.Tensor) -> None:
             if not self._queued[r]:
@@ -146,10 +149,12 @@ class GradientWatch:
 
     def pending(self, r: int) -> bool:
         """Whether replica ``r`` accumulated gradients since its last all-reduce."""
-        return any(s is not None for s in self.seen[r])
+        return self._pending[r]
 
     def modified(self, r: int, params: Sequence[nn.Parameter]) -> list[int]:
         """The parameters whose gradient changed since backward put it there."""
+        if not self._pending[r]:
+            return []
         out = []
         for k, (p, s) in enumerate(zip(params, self.seen[r], strict=True)):
             g = p.grad
@@ -158,10 +163,11 @@ class GradientWatch:
         return out
 
     def clear(self, r: int) -> None:
-        """Forgets replica ``r``'s records (its gradients were all-reduced)."""
-        seen = self.seen[r]
-        for k in range(len(seen)):
-            seen[k] = None
+        """Forgets replica ``r``'s records (its gradients were all-reduced). The records
+        hold the gradients: kept, they would outlive ``zero_grad()`` and keep a step's
+        gradients alive into the next."""
+        self._pending[r] = False
+        self.seen[r] = self._none[r]
 
     def remove(self) -> None:
         """Removes every hook."""
@@ -169,14 +175,20 @@ class GradientWatch:
             h.remove()
 
 
-def modified_message(names: Sequence[str], replica: int) -> str:
-    """The error for gradients changed in place between backward and step."""
+def modified_message(names: Sequence[str], replica: int, replicas: int = 2) -> str:
+    """The error for gradients changed in place between backward and step (with
+    ``replicas`` in sync: one replica is refused too, so that the code that runs on one
+    replica runs on N)."""
     more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+    alone = (" With one replica the gradients are already the global ones, but the same "
+             "step would be wrong on N replicas, so it is refused here too."
+             if replicas == 1 else "")
     return (
         f"the gradient of {names[0]!r}{more} was changed in place on replica {replica} "
         "between backward() and optimizer.step() (torch.nn.utils.clip_grad_norm_, "
         "clip_grad_value_ or p.grad.mul_): each replica would change its own local gradient "
-        "before the all-reduce, which trains a different model than one device. Clip the "
-        "all-reduced gradients with optimizer.step(clip_grad_norm=c) (with a GradScaler: "
+        f"before the all-reduce, which trains a different model than one device.{alone} "
+        "Clip the all-reduced gradients with optimizer.step(clip_grad_norm=c) (with a "
+        "GradScaler: "
         "scaler.step(optimizer, clip_grad_norm=c), or scaler.unscale_(optimizer) first, which "
         "all-reduces, then clip); to scale gradients, scale the loss instead")

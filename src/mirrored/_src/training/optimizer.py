@@ -91,8 +91,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
         self._optimizer_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
         self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._module = module
-        self._strategy = module.strategy
+        self._module, self._strategy = module, module.strategy
+        self._known = module._known  # replica context -> local index (the fast lookup)
         self._optimizers = optimizers
         self._params = params
         self._reducer = GradientReducer(module, params, names, check=check, buffers=buffers,
@@ -174,21 +174,14 @@ class MirroredOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step(self, clip_grad_norm: float | None) -> None:
-        ctx, r = replica_of(self._strategy, "MirroredOptimizer.step")
+        ctx, r = replica_of(self._strategy, "MirroredOptimizer.step", self._known)
         if clip_grad_norm is not None and (
                 isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, int | float)
                 or not clip_grad_norm > 0 or math.isinf(clip_grad_norm)):
             raise ValueError(f"clip_grad_norm must be a positive finite number or None; got "
                              f"{clip_grad_norm!r}")
-        params = self._params[r]
-        optimizer = self._optimizers[r]
-        if self._strategy.num_replicas_in_sync == 1:  # the gradients are the global ones
-            if clip_grad_norm is not None:
-                nn.utils.clip_grad_norm_(params, clip_grad_norm)
-            optimizer.step()
-            return
-        reducer = self._reducer
-        if not reducer.reduced[r]:
+        params, optimizer, reducer = self._params[r], self._optimizers[r], self._reducer
+        if not reducer.reduced[r]:  # (one replica in all: no all-reduce, the same refusals)
             reducer.reduce(ctx, r)
         reducer.reduced[r] = False
         if not reducer.committed[r]:  # elastic: a step the workers did not commit
@@ -210,6 +203,16 @@ class MirroredOptimizer(torch.optim.Optimizer):
         if self._strategy.num_replicas_in_sync == 1:
             return None
         return replica_index(self._strategy, "GradScaler.step", required=False)
+
+    def amp_settle(self, stepped: bool) -> None:
+        """One replica, torch's own scaler: before its ``unscale_`` the gradients are
+        settled as N replicas' all-reduce settles them (changed since ``backward()``:
+        refused); after its ``step`` (taken or skipped) they are used up."""
+        r = replica_index(self._strategy, "GradScaler.unscale_", required=False)
+        if r is not None and stepped:
+            self._reducer.reduced[r] = False
+        elif r is not None and not self._reducer.reduced[r]:
+            self._reducer.reduce(*replica_of(self._strategy, "GradScaler.unscale_"))
 
     def amp_unscale(self, inv_scale: torch.Tensor) -> tuple[torch.Tensor, int]:
         """All-reduces this replica's gradients, then unscales them and checks them for
@@ -251,7 +254,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
                 all-reduced (no ``step()`` since): each copy would be updated with
                 its own gradients (a manual update) or they would be lost.
         """
-        r = replica_index(self._strategy, "MirroredOptimizer.zero_grad", required=False)
+        r = replica_index(self._strategy, "MirroredOptimizer.zero_grad", required=False,
+                          known=self._known)
         replicas = range(len(self._optimizers)) if r is None else (r,)
         for i in replicas:
             if self._reducer.discards(i):
@@ -264,6 +268,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
                         "drop a step's gradients on purpose, call optimizer.step() with a "
                     "learning rate of 0 or do not call backward()")
         for i in replicas:
+            self._reducer.reduced[i] = False  # (all-reduced by unscale_: discarded now)
             self._optimizers[i].zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:

@@ -80,7 +80,8 @@ class GradientReducer:
                     f"worker may be missing from a step; {from_first} would be (buffers="
                     f"{buffers!r}). Use buffers='average' with floating-point buffers, or "
                     "buffers='off' and keep them equal yourself")
-        self._watch = GradientWatch(params) if n > 1 and check != "off" else None
+        # On one replica too: the same step raises on 1 replica as on N.
+        self._watch = GradientWatch(params) if check != "off" else None
         self.reduced = [False] * local  # the replica's gradients are all-reduced already
         self.seq = [0] * local  # all-reduces made by each replica (equal on every one)
         first = params[0][0]
@@ -155,7 +156,15 @@ class GradientReducer:
             changed = self._watch.modified(r, params)
             if changed:
                 raise ReplicaDivergenceError(modified_message(
-                    [self._names[k] for k in changed], g))
+                    [self._names[k] for k in changed], g, self._num_replicas))
+        if self._num_replicas == 1:
+            # One replica in all: its gradients are the global ones, BatchNorm statistics
+            # and buffers averaged over one replica are themselves, and there is no other
+            # copy to compare. Only the watch's refusal above (and zero_grad's) remains.
+            if self._watch is not None:
+                self._watch.clear(r)
+            self.reduced[r] = True
+            return
         grads = [p.grad for p in params]
         if any(t is not None and t.is_sparse for t in grads):
             raise TypeError("MirroredOptimizer.step all-reduces dense gradients; a parameter has "

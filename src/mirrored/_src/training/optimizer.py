@@ -93,11 +93,9 @@ class MirroredOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
         self._module, self._strategy = module, module.strategy
         self._known = module._known  # replica context -> local index (the fast lookup)
-        self._optimizers = optimizers
-        self._params = params
+        self._optimizers, self._params = optimizers, params
         self._reducer = GradientReducer(module, params, names, check=check, buffers=buffers,
-                                        overlap=overlap,
-                                        bucket_bytes=_overlap.DEFAULT_BUCKET_BYTES)
+                                        overlap=overlap, bucket_bytes=_overlap.DEFAULT_BUCKET_BYTES)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -178,8 +176,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
         if clip_grad_norm is not None and (
                 isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, int | float)
                 or not clip_grad_norm > 0 or math.isinf(clip_grad_norm)):
-            raise ValueError(f"clip_grad_norm must be a positive finite number or None; got "
-                             f"{clip_grad_norm!r}")
+            raise ValueError(f"clip_grad_norm must be a positive finite number or None; "
+                             f"got {clip_grad_norm!r}")
         params, optimizer, reducer = self._params[r], self._optimizers[r], self._reducer
         if not reducer.reduced[r]:  # (one replica in all: no all-reduce, the same refusals)
             reducer.reduce(ctx, r)
@@ -367,17 +365,16 @@ def mirror_optimizer(strategy: Strategy, mirrored_module: MirroredModule,
     if check not in CHECKS:
         raise ValueError(f"check must be one of {', '.join(map(repr, CHECKS))}; got {check!r}")
     if buffers not in BUFFER_RULES:
-        raise ValueError(f"buffers must be one of {', '.join(map(repr, BUFFER_RULES))}; got "
-                         f"{buffers!r}")
+        raise ValueError(f"buffers must be one of {', '.join(map(repr, BUFFER_RULES))}; "
+                         f"got {buffers!r}")
     if overlap is not None and not isinstance(overlap, bool):
         raise TypeError(f"overlap must be True, False or None (automatic); got "
                         f"{type(overlap).__name__} {overlap!r}")
-    if overlap is None:
-        topology = strategy._parts.topology
-        overlap = topology.num_workers > 1 and not topology.elastic  # elastic: one vote
+    topology = strategy._parts.topology
+    if overlap is None:  # across workers; elastic: one all-reduce carries the step's vote
+        overlap = topology.num_workers > 1 and not topology.elastic
     amp.install()
-    optimizers = []
-    params = []
+    optimizers, params = [], []
     positions: list[int] | None = None
     for r, module in enumerate(mirrored_module.replicas):
         optimizer = make_optimizer(list(module.parameters()))

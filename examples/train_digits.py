@@ -7,6 +7,8 @@
         --checkpoint-dir ckpt                            # 2 workers, resumes after a restart
     torchrun --nproc-per-node=2 --max-restarts=1 examples/train_digits.py --multi-worker \
         --checkpoint-dir ckpt --preemption               # SIGTERM to a worker: all save, exit 42
+    python examples/train_digits.py --elastic --worker-index 0 --num-workers 3  # one worker
+        # of an elastic job on torchft (a lighthouse first; see train_digits_elastic.py)
 
 `MirroredStrategy` runs one copy of the model per replica ("CPU:0" ... are logical CPU
 devices, so this runs on any machine). Each step splits one global batch over the
@@ -21,6 +23,10 @@ torchrun, or one process per worker with TF_CONFIG): `--replicas` is then the nu
 local replicas per worker, every worker reads the same global batches and keeps its
 replicas' chunks, the chief writes the checkpoints and every worker restores them.
 
+With `--elastic` this script hands over to `train_digits_elastic.py` (the same model
+on `mirrored.elastic.ElasticMirroredStrategy`, with its own options: a worker killed
+without notice is left out and the others go on; started again, it rejoins).
+
 stdout: one line per epoch (`epoch 3/10 loss 0.1234 accuracy 0.9600`), then
 `test accuracy: 0.9xxx` (in a multi-worker job, the chief's). The progress bar (tqdm)
 goes to stderr.
@@ -29,6 +35,7 @@ goes to stderr.
 import argparse
 import os
 import pathlib
+import runpy
 import sys
 
 import torch
@@ -42,7 +49,16 @@ import mirrored
 # -----------------------------------------------------------------------------
 # configuration
 
+if "--elastic" in sys.argv[1:]:  # the elastic variant, with the remaining arguments
+    sys.argv = [str(pathlib.Path(__file__).with_name("train_digits_elastic.py")),
+                *(a for a in sys.argv[1:] if a != "--elastic")]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+    sys.exit(0)
+
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--elastic", action="store_true",
+                    help="run one worker of an elastic job (train_digits_elastic.py; pass "
+                         "its options, e.g. --worker-index 0 --num-workers 3)")
 parser.add_argument("--replicas", type=int, default=4, help="logical CPU replicas")
 parser.add_argument("--epochs", type=int, default=10)
 parser.add_argument("--batch-size", type=int, default=100, help="global batch size")

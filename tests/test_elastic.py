@@ -219,11 +219,15 @@ def test_shard_splits_the_global_batch_over_the_workers():
 @pytest.mark.timeout(200)
 def test_the_elastic_digits_example_trains_with_two_workers_on_the_strategy():
     pytest.importorskip("sklearn")
-    example = pathlib.Path(__file__).parent.parent / "examples" / "train_digits_elastic.py"
+    examples = pathlib.Path(__file__).parent.parent / "examples"
+    # Worker 0 through the digits example's --elastic flag, worker 1 through the script
+    # it hands over to.
+    scripts = [[str(examples / "train_digits.py"), "--elastic"],
+               [str(examples / "train_digits_elastic.py")]]
     lighthouse = elastic.Lighthouse(min_workers=2)
     jobs: list[subprocess.Popen[str]] = []
     try:
-        jobs += [subprocess.Popen([sys.executable, str(example), "--worker-index", str(i),
+        jobs += [subprocess.Popen([sys.executable, *scripts[i], "--worker-index", str(i),
                                   "--num-workers", "2", "--lighthouse", lighthouse.address,
                                   "--steps", "60"],
                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

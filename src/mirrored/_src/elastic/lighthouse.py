@@ -8,9 +8,16 @@ from __future__ import annotations
 import importlib
 import logging
 import socket
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
-__all__ = ["Lighthouse", "require_torchft"]
+import torch.distributed as dist
+
+__all__ = ["Lighthouse", "new_manager", "require_torchft"]
+
+_TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]
 
 _log = logging.getLogger("mirrored")
 
@@ -23,6 +30,36 @@ def require_torchft(what: str) -> Any:
     except ImportError as e:
         raise ImportError(f"{what} runs on torchft, which is not installed: "
                           "pip install 'mirrored[elastic]' (or pip install torchft)") from e
+
+
+
+def new_manager(*, worker_id: str, lighthouse_address: str, min_workers: int,
+                timeout_seconds: float, quorum_timeout_seconds: float,
+                state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]
+                ) -> tuple[Any, Any]:
+    """One worker's torchft ``Manager`` (a replica group of one worker, synchronous
+    quorum, Gloo) and the store it runs on: ``(store, manager)``; keep both."""
+    # torchft 0.2.0 logs with the deprecated Logger.warn in every reconfiguration on a
+    # build without NCCL's flight recorder (Manager._async_quorum); where warnings are
+    # errors (-W error, pytest) that exception makes every quorum fail.
+    warnings.filterwarnings("ignore", message="The 'warn' method is deprecated",
+                            category=DeprecationWarning)
+    manager_module = importlib.import_module("torchft.manager")  # untyped package
+    process_groups = importlib.import_module("torchft.process_group")
+    timeout = timedelta(seconds=timeout_seconds)
+    # One store per worker (torchft: per replica group); the store of the quorum's
+    # first worker carries the process group.
+    store = _TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    host = lighthouse_address.split("://", 1)[-1].rsplit(":", 1)[0]
+    manager = manager_module.Manager(
+        pg=process_groups.ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict,
+        state_dict=state_dict, min_replica_size=min_workers, use_async_quorum=False,
+        timeout=timeout, quorum_timeout=timedelta(seconds=quorum_timeout_seconds),
+        connect_timeout=timeout, rank=0, world_size=1, store_addr="127.0.0.1",
+        store_port=store.port, lighthouse_addr=lighthouse_address, replica_id=worker_id,
+        # the host this worker advertises: loopback for a loopback lighthouse
+        hostname="127.0.0.1" if host in ("127.0.0.1", "localhost") else socket.gethostname())
+    return store, manager
 
 
 class Lighthouse:

@@ -15,11 +15,7 @@ gradient mixes data of different steps even if torchft's quorum were wrong.
 
 from __future__ import annotations
 
-import importlib
 import logging
-import socket
-import warnings
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -27,12 +23,11 @@ import torch.distributed as dist
 
 from ..reduce_op import ReduceOp
 from .input import step_input
-from .lighthouse import require_torchft
+from .lighthouse import new_manager, require_torchft
 
 __all__ = ["ElasticSession", "agree"]
 
 _log = logging.getLogger("mirrored")
-_TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]
 _OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MIN: dist.ReduceOp.MIN,
         ReduceOp.MAX: dist.ReduceOp.MAX}
 
@@ -72,29 +67,16 @@ class ElasticSession:
     def __init__(self, *, lighthouse_address: str, worker_index: int, min_workers: int,
                  timeout_seconds: float, quorum_timeout_seconds: float) -> None:
         require_torchft("ElasticMirroredStrategy")
-        # torchft 0.2.0 logs with the deprecated Logger.warn in every reconfiguration on a
-        # build without NCCL's flight recorder (Manager._async_quorum); where warnings are
-        # errors (-W error, pytest) that exception makes every quorum fail.
-        warnings.filterwarnings("ignore", message="The 'warn' method is deprecated",
-                                category=DeprecationWarning)
-        manager_module = importlib.import_module("torchft.manager")  # untyped package
-        process_groups = importlib.import_module("torchft.process_group")
-        timeout = timedelta(seconds=timeout_seconds)
         self._tracked: list[Any] = []
         self._open = False  # a step has begun and is not voted yet
         self._begun = False  # a quorum was ever asked for
         self.element = -1  # the dataset element of the open step (-1: none)
         self._members = (-1, 0)
-        # One store per worker (torchft: per replica group; here a group is one worker).
-        self._store = _TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        # torchft takes a replica group's index from the trailing digits of its id.
-        self._manager: Any = manager_module.Manager(
-            pg=process_groups.ProcessGroupGloo(timeout=timeout), load_state_dict=self._load,
-            state_dict=self._state, min_replica_size=min_workers, use_async_quorum=False,
-            timeout=timeout, quorum_timeout=timedelta(seconds=quorum_timeout_seconds),
-            connect_timeout=timeout, rank=0, world_size=1, store_addr="127.0.0.1",
-            store_port=self._store.port, lighthouse_addr=lighthouse_address,
-            replica_id=f"worker{worker_index}", hostname=_host(lighthouse_address))
+        self._store, self._manager = new_manager(
+            worker_id=f"worker{worker_index}", lighthouse_address=lighthouse_address,
+            min_workers=min_workers, timeout_seconds=timeout_seconds,
+            quorum_timeout_seconds=quorum_timeout_seconds, state_dict=self._state,
+            load_state_dict=self._load)
 
     @property
     def step(self) -> int:
@@ -184,9 +166,3 @@ class ElasticSession:
         for obj, obj_state in zip(self._tracked, states, strict=True):
             obj.load_state_dict(obj_state)
 
-
-def _host(address: str) -> str:
-    """The host this worker advertises: loopback for a loopback lighthouse, else the
-    machine's name."""
-    host = address.split("://", 1)[-1].rsplit(":", 1)[0]
-    return "127.0.0.1" if host in ("127.0.0.1", "localhost") else socket.gethostname()

@@ -19,22 +19,18 @@ device, whatever the number of live workers; only each worker's shard grows.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
-import socket
-from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .lighthouse import require_torchft
+from .lighthouse import new_manager, require_torchft
 
 __all__ = ["ElasticTrainer", "StepInfo"]
 
 _log = logging.getLogger("mirrored")
-_TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]
 _V = TypeVar("_V", torch.Tensor, tuple[torch.Tensor, ...], list[torch.Tensor])
 
 
@@ -126,23 +122,15 @@ class ElasticTrainer:
         if not isinstance(worker_id, str) or not worker_id:
             raise ValueError(f"worker_id must be a non-empty str; got {worker_id!r}")
         require_torchft("ElasticTrainer")
-        manager_module = importlib.import_module("torchft.manager")  # untyped package
-        process_groups = importlib.import_module("torchft.process_group")
 
         self._module = module
         self._optimizer = optimizer
         self._params = [p for p in module.parameters() if p.requires_grad]
-        timeout = timedelta(seconds=timeout_seconds)
-        # The worker's own store (torchft: one per replica group; here a group is one
-        # worker); the store of the quorum's first worker carries the process group.
-        self._store = _TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        self._manager: Any = manager_module.Manager(
-            pg=process_groups.ProcessGroupGloo(timeout=timeout), load_state_dict=self._load_state,
-            state_dict=self._state, min_replica_size=min_workers, use_async_quorum=False,
-            timeout=timeout, quorum_timeout=timedelta(seconds=quorum_timeout_seconds),
-            connect_timeout=timeout, rank=0, world_size=1, store_addr="127.0.0.1",
-            store_port=self._store.port, lighthouse_addr=lighthouse_address,
-            replica_id=worker_id, hostname=_host(lighthouse_address))
+        self._store, self._manager = new_manager(
+            worker_id=worker_id, lighthouse_address=lighthouse_address,
+            min_workers=min_workers, timeout_seconds=timeout_seconds,
+            quorum_timeout_seconds=quorum_timeout_seconds, state_dict=self._state,
+            load_state_dict=self._load_state)
         self._info: StepInfo | None = None
 
     @property
@@ -209,9 +197,3 @@ class ElasticTrainer:
         self._module.load_state_dict(state["module"])
         self._optimizer.load_state_dict(state["optimizer"])
 
-
-def _host(address: str) -> str:
-    """The host this worker advertises: loopback for a loopback lighthouse, else the
-    machine's name."""
-    host = address.split("://", 1)[-1].rsplit(":", 1)[0]
-    return "127.0.0.1" if host in ("127.0.0.1", "localhost") else socket.gethostname()

@@ -86,3 +86,16 @@ def test_each_replica_divides_by_the_exact_global_count(two, dtype):
         assert got.dtype == dtype
         assert torch.equal(got, chunk.sum() / torch.tensor(7, dtype=dtype))
 
+
+
+def test_half_precision_divides_by_the_exact_count(two):
+    # 1001 examples: bfloat16 cannot hold the count (it rounds to 1000); the divisor
+    # stays the exact int (the loss keeps its dtype; the quotient is rounded once).
+    gen = torch.Generator().manual_seed(3)
+    chunks = [torch.rand(501, generator=gen).to(torch.bfloat16),
+              torch.rand(500, generator=gen).to(torch.bfloat16)]
+    out = two.run(mirrored.compute_average_loss, args=(mirrored.PerReplica(chunks),))
+    for got, chunk in zip(out.values, chunks, strict=True):
+        assert got.dtype == torch.bfloat16
+        # the quotient computed in float32 (bfloat16's op math) by 1001, then rounded
+        assert torch.equal(got, (chunk.sum().float() / 1001).to(torch.bfloat16))

@@ -22,6 +22,7 @@ T = TypeVar("T")
 
 
 _LIBRARY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_basenames: dict[str, str] = {}  # file name -> its base name (call sites are per step)
 
 
 def call_site(depth: int) -> str:
@@ -31,7 +32,13 @@ def call_site(depth: int) -> str:
     frame = sys._getframe(depth + 1)
     while frame.f_back is not None and frame.f_code.co_filename.startswith(_LIBRARY):
         frame = frame.f_back
-    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+    filename = frame.f_code.co_filename
+    base = _basenames.get(filename)
+    if base is None:
+        base = os.path.basename(filename)
+        if len(_basenames) < 4096:
+            _basenames[filename] = base
+    return f"{base}:{frame.f_lineno}"
 
 
 def paths_of(value: Any) -> list[str]:

@@ -28,7 +28,7 @@ from . import batch, packing
 from .host import combine, concat, copy_to
 from .local import LocalCommunicator
 
-__all__ = ["CrossDeviceOps", "NcclAllReduce", "ReductionToOneDevice"]
+__all__ = ["CrossDeviceOps", "NcclAllReduce", "ReductionToOneDevice", "sums_directly"]
 
 
 class CrossDeviceOps(abc.ABC):
@@ -259,3 +259,14 @@ class NcclAllReduce(CrossDeviceOps):
 
     def __repr__(self) -> str:
         return "NcclAllReduce()"
+
+
+def sums_directly(communicator: object) -> bool:
+    """Whether ``communicator`` combines host tensors of one device exactly as
+    `host.combine_each` does: a `LocalCommunicator` over a default
+    `ReductionToOneDevice` (no ``accumulation_fn``, no ``reduce_to_device``), so
+    that small collectives may skip packing with bitwise-equal results."""
+    if type(communicator) is not LocalCommunicator:
+        return False
+    ops = communicator.ops
+    return type(ops) is ReductionToOneDevice and ops._accumulate is None and ops._device is None

@@ -14,7 +14,10 @@ import torch
 from ..reduce_op import ReduceOp
 from .buffers import default_pool
 
-__all__ = ["combine", "concat", "copy_to"]
+__all__ = ["DIRECT_BYTES", "combine", "combine_each", "concat", "copy_to"]
+
+# Below this size a combine is all per-op dispatch: `combine_each` skips packing.
+DIRECT_BYTES = 1 << 16
 
 
 def _sum_into(out: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
@@ -56,6 +59,31 @@ def combine(op: ReduceOp, parts: Sequence[torch.Tensor], device: torch.device) -
         for p in parts[2:]:
             fn(out, p, out=out)
     return out
+
+
+def combine_each(op: ReduceOp, parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """`combine` of small, contiguous, equally shaped tensors on one device, plus a copy
+    of the result per further part: one new tensor per part, bitwise equal to what
+    `combine` and `copy_to` give (the same kernels in the same order), in two ops for
+    two parts instead of a pack, a pooled output and views.
+
+    Example:
+        >>> combine_each(ReduceOp.SUM, [torch.tensor([1, 5]), torch.tensor([3, 2])])
+        [tensor([4, 7]), tensor([4, 7])]
+    """
+    first = parts[0]
+    if len(parts) == 1:
+        total = first.clone()
+    elif op is ReduceOp.SUM or op is ReduceOp.MEAN:
+        total = torch.add(first, parts[1])
+        for p in parts[2:]:
+            total.add_(p)
+    else:
+        fn = torch.minimum if op is ReduceOp.MIN else torch.maximum
+        total = fn(first, parts[1])
+        for p in parts[2:]:
+            fn(total, p, out=total)
+    return [total, *[total.clone() for _ in parts[1:]]]
 
 
 def copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

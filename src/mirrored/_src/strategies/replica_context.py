@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from .. import context
 from ..collectives import all_gather, all_reduce, merge_call
 from ..collectives.call import call_site
@@ -28,13 +30,14 @@ class ReplicaContext:
         (1, 2, ('/job:localhost/replica:0/task:0/device:CPU:1',))
     """
 
-    __slots__ = ("_device", "_index", "_parts", "_replica_id")
+    __slots__ = ("_device", "_index", "_one_tensor", "_parts", "_replica_id")
 
     def __init__(self, parts: Parts, index: int) -> None:
         self._parts = parts
         self._index = index
         self._replica_id = parts.topology.replica_ids[index]
         self._device = parts.topology.device_names[index]
+        self._one_tensor = all_reduce.OneTensor.make(parts, index)
 
     @property
     def replica_id_in_sync_group(self) -> int:
@@ -112,8 +115,14 @@ class ReplicaContext:
             (tensor(2.5000), tensor(2.5000))
         """
         self._check_current("all_reduce")
+        site = call_site(1)
+        if (axis is None and options is None and type(value) is torch.Tensor
+                and self._one_tensor is not None):
+            out = self._one_tensor.all_reduce(reduce_op, value, site)
+            if out is not None:
+                return out
         return all_reduce.all_reduce(self._parts, self._index, reduce_op, value,
-                                     options, axis, call_site(1))
+                                     options, axis, site)
 
     def _sum_examples(self, count: int) -> int:
         """The step's example count over every replica (for ``compute_average_loss``)."""

@@ -15,7 +15,7 @@ default strategy is registered here by the strategies package
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple, Protocol
 
@@ -28,8 +28,9 @@ __all__ = [
     "get_replica_context",
     "get_strategy",
     "has_strategy",
+    "idle",
     "in_cross_replica_context",
-    "call_in_replica",
+    "replica_calls",
     "refuse_other_strategy",
     "register_default_strategy",
 ]
@@ -49,6 +50,7 @@ class StrategyLike(Protocol):
 # cannot import that class (it sits below the strategies in the layers).
 Strategy = Any
 ReplicaContext = Any
+ReplicaArgs = Callable[[int], tuple[Any, dict[str, Any]]]  # run's arguments of replica i
 
 
 class _Frame(NamedTuple):
@@ -71,8 +73,7 @@ _state = _State()
 
 
 def _top() -> _Frame | None:
-    stack = _state.stack
-    return stack[-1] if stack else None
+    return stack[-1] if (stack := _state.stack) else None
 
 
 _default_factory: Callable[[], Strategy] | None = None
@@ -143,9 +144,7 @@ def refuse_other_strategy(strategy: StrategyLike, method: str) -> None:
         RuntimeError: ``Mixing different mirrored Strategy objects``, naming both.
     """
     top = _top()
-    if top is None or top.strategy is strategy:
-        return
-    if top.strategy is _default():
+    if top is None or top.strategy is strategy or top.strategy is _default():
         return
     raise RuntimeError(
         f"Mixing different mirrored Strategy objects: {method} of {strategy!r} was called "
@@ -187,16 +186,27 @@ def experimental_set_strategy(strategy: StrategyLike | None) -> None:
         state.set_scope = scope
 
 
-def call_in_replica(strategy: Strategy, replica_context: ReplicaContext,
-                    fn: Callable[..., Any], args: Any, kwargs: dict[str, Any]) -> Any:
-    """Calls ``fn`` with this thread in ``replica_context`` of ``strategy`` (used by
-    `run`; a plain push/pop, cheaper than a context manager on the hot path)."""
-    stack = _state.stack
-    stack.append(_new_frame(_Frame, (strategy, replica_context, False, True)))  # in_run
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        stack.pop()
+_NO_ARGS: tuple[tuple[()], dict[str, Any]] = ((), {})  # (never mutated: ** copies it)
+
+
+def replica_calls(strategy: Strategy, contexts: Sequence[ReplicaContext], fn: Callable[..., Any],
+                  replica_args: ReplicaArgs | None) -> Callable[[int], Any]:
+    """``call(i)``: ``fn(*replica_args(i))`` (no arguments for ``None``) with this thread
+    in ``contexts[i]`` of ``strategy``, for ``run`` (a push/pop: cheaper than a ``with``)."""
+    def call(i: int) -> Any:
+        stack = _state.stack
+        stack.append(_new_frame(_Frame, (strategy, contexts[i], False, True)))  # in_run
+        try:
+            args, kwargs = _NO_ARGS if replica_args is None else replica_args(i)
+            return fn(*args, **kwargs)
+        finally:
+            stack.pop()
+    return call
+
+
+def idle() -> bool:
+    """Whether this thread is outside every scope, ``run`` and ``merge_fn``."""
+    return not _state.stack
 
 
 def may_run_directly(strategy: Strategy) -> bool:
@@ -298,9 +308,7 @@ def get_cross_replica_context() -> Strategy | None:
         True
     """
     top = _top()
-    if top is None or top.replica_context is not None:
-        return None
-    return top.strategy
+    return None if top is None or top.replica_context is not None else top.strategy
 
 
 def in_cross_replica_context() -> bool:
@@ -336,10 +344,8 @@ def current_replica_context() -> ReplicaContext | None:
     """The `ReplicaContext` of the ``run`` this thread is inside, else ``None``
     (unlike `get_replica_context`, never the default replica context)."""
     stack = _state.stack  # (_top inlined: this runs in every step)
-    if not stack:
-        return None
-    top = stack[-1]
-    return top.replica_context if top.in_run else None
+    top = stack[-1] if stack else None
+    return top.replica_context if top is not None and top.in_run else None
 
 
 _in_flight: dict[int, int] = {}

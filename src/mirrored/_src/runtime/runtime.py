@@ -11,7 +11,7 @@ caller's thread, under the caller's device.
 
 Per ``run`` the common case (a CPU caller with torch's default thread state, no
 torch mode active, no profiler) reads a handful of thread-local flags, takes the
-run lock and hands one small `_Run` to the executor: no thread-state snapshot is
+run lock and hands one small `RunCall` to the executor: no thread-state snapshot is
 taken, nothing is entered on the caller's thread, and a replica thread only sets
 its intra-op thread count. With a profiler active, ``run`` and each replica's
 function are `torch.profiler.record_function` ranges.
@@ -19,14 +19,12 @@ function are `torch.profiler.record_function` ranges.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import dataclasses
+import functools
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar, final
 
 import torch
@@ -39,7 +37,8 @@ from .contract import Arrival, CollectiveFailure
 from .executor import Executor, ReplicaAbandoned, ReplicaFailure
 from .random import RandomStreams, drop_stale_modes
 from .rendezvous import Rendezvous
-from .thread_state import ThreadState, capture, plain_thread, refused_modes
+from .replica_call import RunCall, add_note, fn_name, on_device, profiling, record
+from .thread_state import capture, plain_thread, refused_modes
 from .watchdog import Watchdog
 
 __all__ = ["InlineRuntime", "Runtime", "ThreadRuntime"]
@@ -51,16 +50,8 @@ GRACE_SECONDS = 0.5  # how long run waits for the others once a run is given up
 MISUSE_SECONDS = 2.0  # how long run waits for another run of the same strategy
 BATON_SECONDS = 1e-3  # a run after one of the last two was shorter is a baton run
 
-_thread_profiled = torch._C._autograd._profiler_enabled
-_record = torch.autograd.profiler.record_function
 _function_modes = torch._C._len_torch_function_stack
 _dispatch_modes = torch._C._len_torch_dispatch_stack
-
-
-def _profiling() -> bool:
-    """Whether a profiler records this run: one started on this thread, or one started
-    with ``profile_all_threads=True`` (which only the profiler module's flag shows)."""
-    return _thread_profiled() or getattr(torch.autograd.profiler, "_is_profiler_enabled", False)
 
 
 class Runtime(Protocol):
@@ -86,102 +77,12 @@ class Runtime(Protocol):
         ...
 
 
-def _add_note(error: BaseException, note: str) -> None:
-    if hasattr(error, "add_note"):
-        error.add_note(note)
-    else:  # Python 3.10
-        error.__notes__ = [*getattr(error, "__notes__", []), note]
-
-
 def _complete_alone(arrival: Arrival[P, R]) -> R:
     """A collective of one replica: combine its own payload."""
     try:
         return arrival.combine([arrival.payload])[0]
     except CollectiveFailure as failure:
         raise failure.failure.error() from None
-
-
-def _fn_name(fn: Callable[..., Any] | None) -> str:
-    return getattr(fn, "__qualname__", None) or type(fn).__name__
-
-
-@contextlib.contextmanager
-def _on_device(device: torch.device) -> Iterator[None]:
-    with torch.device(device):
-        if device.type == "cuda":
-            with torch.cuda.device(device):
-                yield
-        else:
-            yield
-
-
-class _Run:
-    """One ``run``'s calls and what a replica thread needs of the caller's state. A
-    fresh one per run: a straggler of an abandoned run keeps its own."""
-
-    __slots__ = ("call", "caller_device", "caller_thread", "context", "devices", "fn",
-                 "generation", "local", "profiling", "state", "streams", "threads")
-
-    def __init__(self, call: Callable[[int], Any], fn: Callable[..., Any] | None,
-                 runtime: ThreadRuntime, threads: int, state: ThreadState | None,
-                 caller_device: torch.device, profiling: bool) -> None:
-        self.call = call
-        self.fn = fn
-        self.local = runtime._local
-        self.devices = runtime._topology.torch_devices
-        self.streams = runtime._streams
-        self.threads = threads
-        self.state = state  # None: the caller's thread state is plain
-        self.caller_device = caller_device
-        self.caller_thread = threading.get_ident()
-        # torch keeps the user's compile settings in context variables: a replica on
-        # another thread runs in a copy of the caller's (see `thread_state`).
-        self.context = contextvars.copy_context()
-        self.profiling = profiling
-        self.generation = 0
-
-    def replica(self, i: int) -> Any:
-        """Runs replica ``i`` on this thread (the caller's or a replica thread)."""
-        if threading.get_ident() == self.caller_thread:
-            return self._replica(i, True)
-        return self.context.copy().run(self._replica, i, False)
-
-    def _replica(self, i: int, on_caller: bool) -> Any:
-        local = self.local
-        local.generation = self.generation
-        try:
-            device = self.devices[i]
-            if device.type == "cpu" and device == self.caller_device:
-                # The common case. The caller's thread has the caller's state and its
-                # thread count (set by run); a replica thread has torch's defaults,
-                # which a plain caller state is.
-                if on_caller:
-                    return self._call(i)
-                if self.state is None:
-                    if torch.get_num_threads() != self.threads:
-                        torch.set_num_threads(self.threads)
-                    return self._call(i)
-            with contextlib.ExitStack() as stack:
-                if device.type != "cpu" or device != self.caller_device:
-                    stack.enter_context(_on_device(device))
-                if self.state is not None:
-                    dataclasses.replace(self.state, num_threads=self.threads).apply(stack)
-                elif torch.get_num_threads() != self.threads:
-                    torch.set_num_threads(self.threads)
-                return self._call(i)
-        finally:
-            local.generation = 0
-
-    def _call(self, i: int) -> Any:
-        streams = self.streams
-        if not self.profiling:
-            if streams is None:
-                return self.call(i)
-            return streams.call(i, self.call)
-        with _record(f"mirrored.replica {i}: {_fn_name(self.fn)}"):
-            if streams is None:
-                return self.call(i)
-            return streams.call(i, self.call)
 
 
 _runtimes: weakref.WeakSet[ThreadRuntime] = weakref.WeakSet()
@@ -239,8 +140,8 @@ class ThreadRuntime:
 
     def run(self, call: Callable[[int], Any], fn: Callable[..., Any] | None = None) -> list[Any]:
         if self._n == 1:
-            if _profiling():
-                with _record(f"mirrored.run: {_fn_name(fn)}"):
+            if profiling():
+                with record(f"mirrored.run: {fn_name(fn)}"):
                     return [self._run_one(call)]
             return [self._run_one(call)]
         if _function_modes() or _dispatch_modes():
@@ -256,14 +157,15 @@ class ThreadRuntime:
         # get_num_threads() // N threads (at least 1), whichever thread runs it.
         threads = max(1, full // self._n) if self._split_threads else full
         state = None if plain_thread() else capture()
-        profiling = _profiling()
-        run = _Run(call, fn, self, threads, state, current_device(), profiling)
-        if profiling:
-            with _record(f"mirrored.run: {_fn_name(fn)}"):
+        profiled = profiling()
+        run = RunCall(call, fn, self._local, self._topology.torch_devices, self._streams,
+                      threads, state, current_device(), profiled)
+        if profiled:
+            with record(f"mirrored.run: {fn_name(fn)}"):
                 return self._run(run, full)
         return self._run(run, full)
 
-    def _run(self, run: _Run, full: int) -> list[Any]:
+    def _run(self, run: RunCall, full: int) -> list[Any]:
         self._acquire_run_lock()
         try:
             self._running = True
@@ -286,7 +188,7 @@ class ThreadRuntime:
                 torch.set_num_threads(run.threads)  # for the replicas run on this thread
             try:
                 results, failures = self._executor.run(
-                    run.replica, lambda i, error: rendezvous.replica_exited(generation, i, error),
+                    run.replica, functools.partial(rendezvous.replica_exited, generation),
                     rendezvous.abort, grace=GRACE_SECONDS,
                     straggler_wait=self._timeout or GRACE_SECONDS,
                     baton=rendezvous.in_baton if baton else None)
@@ -313,10 +215,10 @@ class ThreadRuntime:
         try:
             if device == caller_device and device.type == "cpu":
                 return call(0)
-            with _on_device(device):
+            with on_device(device):
                 return call(0)
         except Exception as error:
-            _add_note(error, self._note(0))
+            add_note(error, self._note(0))
             raise
 
     def _acquire_run_lock(self) -> None:
@@ -363,7 +265,7 @@ class ThreadRuntime:
             f.error, ReplicaAbortedError | ReplicaAbandoned)] or [
             f for f in failures if not isinstance(f.error, ReplicaAbortedError)]
         failure = min(causes or failures, key=lambda f: f.replica_id)
-        _add_note(failure.error, self._note(failure.replica_id))
+        add_note(failure.error, self._note(failure.replica_id))
         return failure.error
 
 

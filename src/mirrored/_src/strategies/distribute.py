@@ -16,11 +16,11 @@ from ..collectives.parts import Parts
 from ..values import DistributedValues, PerReplica, ValueContext, regroup, select_replica
 
 __all__ = ["check_run", "distribute_values", "local_results", "nested_in_merge_fn",
-           "require_cross_replica", "run_finished", "run_in_merge_fn", "run_started",
+           "require_cross_replica", "run", "run_finished", "run_in_merge_fn", "run_started",
            "split_args", "steps_input", "sync_from_chief", "track", "vote"]
 
 _T = TypeVar("_T")
-ReplicaArgs = Callable[[int], tuple[Any, dict[str, Any]]]
+ReplicaArgs = context.ReplicaArgs
 
 
 def require_cross_replica(parts: Parts, method: str) -> None:
@@ -39,15 +39,37 @@ def require_cross_replica(parts: Parts, method: str) -> None:
             "get_replica_context().merge_call() or call it outside strategy.run")
 
 
-def check_run(parts: Parts, args: Any, kwargs: Any) -> ReplicaArgs:
-    """Checks where and how ``run`` was called; returns `split_args` of its arguments.
+def run(strategy: Any, parts: Parts, contexts: Sequence[Any], fn: Callable[..., Any],
+        args: Any, kwargs: Any) -> Any:
+    """`Strategy.run` (but the one-replica fast path): checks, the replicas' calls, the
+    runtime's run, the results regrouped."""
+    idle = context.idle()  # outside every scope and run: nothing to refuse or nest
+    replica_args = check_run(parts, args, kwargs, idle)
+    if not idle and nested_in_merge_fn(parts):
+        return run_in_merge_fn(parts, contexts, fn, replica_args)
+    call = context.replica_calls(strategy, contexts, fn, replica_args)
+    cluster = parts.cluster
+    key = context.run_started(strategy) if cluster is None else run_started(parts)
+    try:
+        results = parts.runtime.run(call, fn)
+    finally:
+        if cluster is None:
+            context.run_finished(key)
+        else:
+            run_finished(parts, key)
+    return regroup(results, parts.topology.device_names)
+
+
+def check_run(parts: Parts, args: Any, kwargs: Any, idle: bool = False) -> ReplicaArgs | None:
+    """Checks where and how ``run`` was called (``idle``: outside every scope and run, see
+    `context.idle`); returns `split_args` of its arguments.
 
     Raises:
         RuntimeError: inside a replica, or while another strategy is current.
         ValueError: ``args`` is not a tuple or list.
         TypeError: ``kwargs`` is not a dict.
     """
-    if not parts.topology.follows_caller:
+    if not idle and not parts.topology.follows_caller:
         context.refuse_other_strategy(parts.strategy, f"{parts.name}.run")
         if context.in_run() and not nested_in_merge_fn(parts):
             raise RuntimeError(
@@ -71,22 +93,22 @@ def nested_in_merge_fn(parts: Parts) -> bool:
 
 
 def run_in_merge_fn(parts: Parts, contexts: Sequence[Any], fn: Callable[..., Any],
-                    replica_args: ReplicaArgs) -> Any:
+                    replica_args: ReplicaArgs | None) -> Any:
     """``run`` called inside a ``merge_fn``: every replica is paused in ``merge_call``,
     so the replicas of this nested run go one after another on this thread, each in
     its replica context and on its device (TF runs them on new threads). Collectives
     inside are refused (``merge_fn`` rules), since the replicas do not run together."""
     topology = parts.topology
+    call = context.replica_calls(parts.strategy, contexts, fn, replica_args)
     results = []
     for i, device in enumerate(topology.torch_devices):
-        a, k = replica_args(i)
         try:
             with contextlib.ExitStack() as stack:
                 if device.type != "cpu":
                     stack.enter_context(torch.device(device))
                     if device.type == "cuda":
                         stack.enter_context(torch.cuda.device(device))
-                results.append(context.call_in_replica(parts.strategy, contexts[i], fn, a, k))
+                results.append(call(i))
         except Exception as error:
             note = f"raised in {topology.labels[i]} of {parts.name}.run inside a merge_fn"
             error.__notes__ = [*getattr(error, "__notes__", []), note]  # add_note, 3.10 too
@@ -139,17 +161,16 @@ def sync_from_chief(parts: Parts, module: torch.nn.Module) -> None:
         parts.cluster.sync([*module.parameters(), *module.buffers()])
 
 
-def split_args(parts: Parts, args: Any, kwargs: dict[str, Any]
-               ) -> Callable[[int], tuple[Any, dict[str, Any]]]:
+def split_args(parts: Parts, args: Any, kwargs: dict[str, Any]) -> ReplicaArgs | None:
     """``(args_i, kwargs_i)`` for local replica ``i``: every distributed leaf replaced by
-    its component ``i``, other leaves shared.
+    its component ``i``, other leaves shared; ``None`` when there are no arguments.
 
     Raises:
         ValueError: a distributed leaf with the wrong number of components (named by
             its path, ``args[0]['x']``).
     """
     if not args and not kwargs:
-        return lambda i: (args, kwargs)
+        return None
     tree = (tuple(args), kwargs)
     leaves, spec = pytree.flatten(tree)
     distributed = False

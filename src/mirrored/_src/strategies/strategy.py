@@ -24,7 +24,7 @@ from ..runtime.runtime import Runtime
 from ..topology import Topology
 from ..training.module import MirroredModule, mirror
 from ..training.optimizer import MirroredOptimizer, mirror_optimizer
-from ..values import ValueContext, regroup
+from ..values import ValueContext
 from . import distribute
 from .extended import StrategyExtended
 from .replica_context import ReplicaContext
@@ -131,21 +131,7 @@ class Strategy:
         """
         if self._solo is not None and (out := self._solo.run(fn, args, kwargs)) is not NOT_TAKEN:
             return out
-        replica_args = distribute.check_run(self._parts, args, kwargs)
-        contexts = self._contexts
-        if distribute.nested_in_merge_fn(self._parts):
-            return distribute.run_in_merge_fn(self._parts, contexts, fn, replica_args)
-
-        def call(i: int) -> Any:
-            a, k = replica_args(i)
-            return context.call_in_replica(self, contexts[i], fn, a, k)
-
-        key = distribute.run_started(self._parts)
-        try:
-            results = self._parts.runtime.run(call, fn)
-        finally:
-            distribute.run_finished(self._parts, key)
-        return regroup(results, self._parts.topology.device_names)
+        return distribute.run(self, self._parts, self._contexts, fn, args, kwargs)
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: Any = None) -> Any:
         """Reduces ``value`` across replicas (and over ``axis``) onto the current device.

@@ -19,7 +19,6 @@ from ..options import CommunicationOptions
 from ..reduce_op import ReduceOp
 from ..reduction import (
     LeafPlan,
-    cached_plan,
     finish,
     no_elements_message,
     normalize_axis,
@@ -31,10 +30,12 @@ from ..runtime.contract import Arrival, CallSpec, CollectiveFailure
 from .call import call_spec, paths_of, refuse_in_merge_fn, tensors_of, with_paths
 from .parts import Parts
 
-__all__ = ["AllReduce", "OneTensor", "all_reduce", "sum_examples"]
+__all__ = ["AllReduce", "Payload", "Result", "all_reduce", "direct", "sum_examples"]
 
 
-class _Payload:
+class Payload:
+    """One replica's partials (one per leaf) and element counts."""
+
     __slots__ = ("counts", "partials")
 
     def __init__(self, partials: list[torch.Tensor], counts: list[int]) -> None:
@@ -42,7 +43,9 @@ class _Payload:
         self.counts = counts
 
 
-class _Result:
+class Result:
+    """One replica's totals (one per leaf) and, for an axis, the global counts."""
+
     __slots__ = ("counts", "totals")
 
     def __init__(self, totals: list[torch.Tensor], counts: list[int] | None) -> None:
@@ -78,7 +81,7 @@ class AllReduce:
         prepared = [prepare(p, t) for p, t in zip(self.plans, tensors, strict=True)]
         call = call_spec(title, self.site, spec, tensors, [p.dims or () for p in self.plans],
                          self.value)
-        payload = _Payload([p for p, _ in prepared], [c for _, c in prepared])
+        payload = Payload([p for p, _ in prepared], [c for _, c in prepared])
         result = self.parts.runtime.exchange(self.index, Arrival(call, payload, self._combine),
                                              self.options.timeout_seconds)
         self.global_counts = result.counts
@@ -87,7 +90,7 @@ class AllReduce:
                        in_place=True)
                 for k, (plan, total) in enumerate(zip(self.plans, result.totals, strict=True))]
 
-    def _combine(self, payloads: Sequence[_Payload]) -> list[_Result]:
+    def _combine(self, payloads: Sequence[Payload]) -> list[Result]:
         topology = self.parts.topology
         counts: list[int] | None = None
         # Elastic: a MEAN divides by the replicas of the step (some may be missing).
@@ -101,88 +104,31 @@ class AllReduce:
         if topology.num_replicas_in_sync == 1:
             # One replica: a copy on the value's own device (the default strategy's device
             # is whatever the caller's is, so no communicator is involved).
-            return [_Result([p.clone() for p in payloads[0].partials], counts)]
+            return [Result([p.clone() for p in payloads[0].partials], counts)]
         devices = topology.devices
         base_op = ReduceOp.SUM if self.op is ReduceOp.MEAN else self.op
         communicator = self.parts.communicators.for_options(self.options)
-        if counts is None and _direct(communicator, topology.torch_devices, payloads):
+        if counts is None and direct(communicator, topology.torch_devices, payloads):
             totals = combine_each(base_op, [p.partials[0] for p in payloads])
-            return [_Result([total], None) for total in totals]
+            return [Result([total], None) for total in totals]
         first = payloads[0].partials
         reduced = communicator.reduce_packed(base_op, [p.partials for p in payloads],
                                              [devices] * len(first), self.options.bytes_per_pack)
-        return [_Result([per_value[r] for per_value in reduced], counts)
+        return [Result([per_value[r] for per_value in reduced], counts)
                 for r in range(len(payloads))]
 
 
-def _direct(communicator: object, devices: Sequence[torch.device],
-            payloads: Sequence[_Payload]) -> bool:
+def direct(communicator: object, devices: Sequence[torch.device],
+           payloads: Sequence[Payload]) -> bool:
     """Whether every replica brings one small contiguous host tensor, all replicas are on
     the host, and the communicator combines as `combine_each` does."""
     for payload in payloads:
         if len(payload.partials) != 1:
             return False
         t = payload.partials[0]
-        if not t.is_cpu or not t.is_contiguous() or t.numel() * t.itemsize >= DIRECT_BYTES:
+        if not t.is_cpu or not t.is_contiguous() or t.nbytes >= DIRECT_BYTES:
             return False
     return all(d.type == "cpu" for d in devices) and sums_directly(communicator)
-
-
-_OPS: dict[Any, ReduceOp] = {k: op for op in ReduceOp for k in (op, op.value, op.value.lower())}
-_LEAF = pytree.flatten(torch.zeros(()))[1]
-_STRIDED = torch.strided
-
-
-class OneTensor:
-    """`all_reduce` of one plain tensor, no ``axis``, the strategy's options, on a
-    single-process strategy of several replicas: the common call without the pytree,
-    planning and packing machinery. It brings the general path's call key, payload and
-    combine, so replicas on either path meet as one, with the same results and errors.
-    ``None`` when a strategy cannot use it.
-    """
-
-    __slots__ = ("_combines", "_index", "_n", "_parts", "_timeout", "_titles")
-
-    def __init__(self, parts: Parts, index: int) -> None:
-        self._parts = parts
-        self._index = index
-        self._n = parts.topology.num_replicas_in_sync
-        self._timeout = parts.options.timeout_seconds
-        self._titles = {op: op_title("all_reduce", op, None) for op in ReduceOp}
-        self._combines = {op: AllReduce(parts, index, op, None, parts.options, self._titles[op],
-                                        "", None)._combine for op in ReduceOp}
-
-    @staticmethod
-    def make(parts: Parts, index: int) -> OneTensor | None:
-        """The fast path for local replica ``index``, if ``parts`` allow one."""
-        topology = parts.topology
-        if (topology.num_replicas_in_sync < 2 or topology.num_workers != 1
-                or topology.elastic or topology.follows_caller):
-            return None
-        return OneTensor(parts, index)
-
-    def all_reduce(self, reduce_op: Any, value: torch.Tensor, site: str) -> torch.Tensor | None:
-        """The result, or ``None``: the general path takes the call (gradients, a
-        first call of this dtype and rank, a non-contiguous or unusual tensor)."""
-        op = _OPS.get(reduce_op) if type(reduce_op) is str or type(reduce_op) is ReduceOp \
-            else None
-        if (op is None or value.layout is not _STRIDED or not value.is_contiguous()
-                or (value.requires_grad and torch.is_grad_enabled())):
-            return None
-        plan = cached_plan(op, value, None)
-        if plan is None:
-            return None
-        title = self._titles[op]
-        refuse_in_merge_fn(self._parts, title, site)
-        dtype = value.dtype
-        shape = tuple(value.shape)
-        partial = value if dtype == plan.accumulate else value.to(plan.accumulate)
-        call = CallSpec(title, site, (title, _LEAF, (shape,), (dtype,)), _LEAF,
-                        ((dtype, shape),), value)
-        result: _Result = self._parts.runtime.exchange(
-            self._index, Arrival(call, _Payload([partial], [1]), self._combines[op]),
-            self._timeout)
-        return finish(plan, result.totals[0], self._n, in_place=True)
 
 
 class _AllReduceFunction(torch.autograd.Function):

@@ -15,7 +15,7 @@ from .. import pytree
 from ..reduction import describe_spec
 
 __all__ = ["Arrival", "CallSpec", "CollectiveFailure", "Failure", "Raise", "Starter",
-           "describe_call", "early_exit_message", "mismatch_message"]
+           "describe_call", "early_exit_message", "mismatch_message", "outside_message"]
 
 P = TypeVar("P")
 R = TypeVar("R")
@@ -49,32 +49,44 @@ class CollectiveFailure(Exception):
         self.failure = Failure(error_type, message)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
 class CallSpec:
     """What one replica's collective call looks like, for the contract check.
 
     ``key`` must be equal on every replica (title, structure, shapes with the
     reduced/gathered dims masked, dtypes); ``leaves`` (dtype and shape per leaf)
-    and ``value`` describe the inputs in error messages.
+    and ``value`` describe the inputs in error messages. Read-only by convention (a
+    plain class: one is built per collective call).
     """
 
-    title: str
-    site: str
-    key: Hashable
-    structure: pytree.PyTreeSpec | None = None
-    leaves: tuple[tuple[torch.dtype, tuple[int, ...]], ...] = ()
-    value: Any = None
+    __slots__ = ("key", "leaves", "site", "structure", "title", "value")
+
+    def __init__(self, title: str, site: str, key: Hashable,
+                 structure: pytree.PyTreeSpec | None = None,
+                 leaves: tuple[tuple[torch.dtype, tuple[int, ...]], ...] = (),
+                 value: Any = None) -> None:
+        self.title = title
+        self.site = site
+        self.key = key
+        self.structure = structure
+        self.leaves = leaves
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"CallSpec({self.title!r}, {self.site!r}, {self.key!r})"
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
 class Arrival(Generic[P, R]):
     """What one replica brings to a collective: its call, its payload, and how to
     combine every replica's payload (run once, by the last replica to arrive, on the
     payloads in replica order; returns one result per replica)."""
 
-    call: CallSpec
-    payload: P
-    combine: Callable[[Sequence[P]], Sequence[R]]
+    __slots__ = ("call", "combine", "payload")
+
+    def __init__(self, call: CallSpec, payload: P,
+                 combine: Callable[[Sequence[P]], Sequence[R]]) -> None:
+        self.call = call
+        self.payload = payload
+        self.combine = combine
 
     @property
     def title(self) -> str:
@@ -128,6 +140,18 @@ def mismatch_message(calls: Sequence[CallSpec], labels: Sequence[str]) -> str | 
         lines = [f"  {label}: {describe_call(a, index)}"
                  for label, a in zip(labels, arrivals, strict=True)]
     return f"{first.title} got mismatched calls: {headline}:\n" + "\n".join(lines)
+
+
+def outside_message(arrival: Arrival[Any, Any], *, abandoned: bool) -> str:
+    """Why ``arrival`` cannot join the run in progress: it comes from a replica of an
+    ``abandoned`` earlier run, or from outside every run."""
+    if abandoned:
+        return (f"{arrival.title} at {arrival.site} was called by a replica of an earlier "
+                "strategy.run that was abandoned (it timed out or was interrupted while "
+                "this replica was still busy); it cannot join the current run")
+    return (f"{arrival.title} at {arrival.site} was called outside strategy.run: "
+            "collectives (and backward passes through them) must run inside the step "
+            "function, in every replica")
 
 
 def early_exit_message(labels: Sequence[str], exited: Sequence[int],

@@ -85,7 +85,7 @@ class Executor:
         if task is None:
             return False
         for worker in self._workers:
-            if task.unclaimed(worker.index):
+            if task.owners[worker.index] is None:  # (a read: claim decides under the lock)
                 if wake:
                     worker.publish(task)
                 return True
@@ -138,11 +138,11 @@ class Executor:
                     worker.publish(task)
             if self._caller_runs:
                 for i in range(n):
-                    if task.has_interrupt():
+                    if task.failures and task.has_interrupt():
                         break
                     if task.claim(i, "caller"):
                         task.execute(i)
-                if task.has_interrupt():
+                if task.failures and task.has_interrupt():
                     raise _Interrupted
             if not task.wait():  # the rendezvous broke: give the others `grace`
                 self._bounded_wait(task, grace)

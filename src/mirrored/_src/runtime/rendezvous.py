@@ -30,7 +30,7 @@ import _thread
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -43,6 +43,7 @@ from .contract import (
     Starter,
     early_exit_message,
     mismatch_message,
+    outside_message,
 )
 
 __all__ = ["Rendezvous"]
@@ -189,11 +190,12 @@ class Rendezvous:
         """
         with self._lock:
             if not self._active or generation != self._generation:
-                raise RuntimeError(self._outside_message(arrival, generation))
+                raise RuntimeError(outside_message(
+                    arrival, abandoned=self._active and generation != 0))
             if self._broken is not None:
                 raise self._broken.error()
-            exited = [j for j in range(self._n) if self._exited[j]]
-            if exited:
+            if True in self._exited:
+                exited = [j for j in range(self._n) if self._exited[j]]
                 waiting = {j: s.arrival for j, s in enumerate(self._round) if s is not None}
                 message = early_exit_message(self._labels, exited, {**waiting, index: arrival})
                 self._break_locked(CollectiveMismatchError, message)
@@ -208,7 +210,7 @@ class Rendezvous:
             self._count += 1
             last = self._count == self._n
             if last:
-                slots = tuple(s for s in self._round if s is not None)
+                slots = cast("tuple[_Slot, ...]", tuple(self._round))  # (count == n: all)
                 self._round = [None] * self._n
                 self._count = 0
                 self._completing = slots
@@ -237,8 +239,12 @@ class Rendezvous:
         results: Sequence[Any]
         interrupt: BaseException | None = None
         try:
-            calls = [s.arrival.call for s in slots]
-            message = mismatch_message(calls, self._labels)
+            key = slots[0].arrival.call.key
+            message = None
+            for s in slots:
+                if s.arrival.call.key != key:
+                    message = mismatch_message([s.arrival.call for s in slots], self._labels)
+                    break
             if message is not None:
                 results = [Failure(CollectiveMismatchError, message)] * self._n
             else:
@@ -377,15 +383,6 @@ class Rendezvous:
             elif waiting:
                 self._break_locked(CollectiveMismatchError,
                                    early_exit_message(self._labels, [index], waiting))
-
-    def _outside_message(self, arrival: Arrival[Any, Any], generation: int) -> str:
-        if self._active and generation and generation != self._generation:
-            return (f"{arrival.title} at {arrival.site} was called by a replica of an earlier "
-                    "strategy.run that was abandoned (it timed out or was interrupted while "
-                    "this replica was still busy); it cannot join the current run")
-        return (f"{arrival.title} at {arrival.site} was called outside strategy.run: "
-                "collectives (and backward passes through them) must run inside the step "
-                "function, in every replica")
 
 
 def _take(slot: _Slot) -> Any:

@@ -73,6 +73,9 @@ class RunCall:
         state: the caller's thread state; ``None`` when it is torch's default.
         caller_device: the caller's current device.
         profiling: record profiler ranges.
+        plain: no profiling, and every replica is on the caller's device, the host CPU:
+            the caller's thread runs a replica as is (it has the caller's state and,
+            set by run, its thread count).
     """
 
     __slots__ = ("call", "caller_device", "caller_thread", "context", "devices", "fn",
@@ -81,7 +84,7 @@ class RunCall:
     def __init__(self, call: Callable[[int], Any], fn: Callable[..., Any] | None,
                  local: threading.local, devices: Sequence[torch.device],
                  streams: RandomStreams | None, threads: int, state: ThreadState | None,
-                 caller_device: torch.device, profiling: bool) -> None:
+                 caller_device: torch.device, profiling: bool, plain: bool) -> None:
         self.call = call
         self.fn = fn
         self.local = local
@@ -96,10 +99,7 @@ class RunCall:
         self.context = contextvars.copy_context()
         self.profiling = profiling
         self.generation = 0
-        # Every replica on the caller's CPU and no profiler: the caller's thread runs a
-        # replica as is (it has the caller's state and, set by run, its thread count).
-        self.plain = not profiling and caller_device.type == "cpu" and all(
-            d == caller_device for d in devices)
+        self.plain = plain
 
     def replica(self, i: int) -> Any:
         """Runs replica ``i`` on this thread (the caller's or a replica thread)."""

@@ -50,6 +50,7 @@ GRACE_SECONDS = 0.5  # how long run waits for the others once a run is given up
 MISUSE_SECONDS = 2.0  # how long run waits for another run of the same strategy
 BATON_SECONDS = 1e-3  # a run after one of the last two was shorter is a baton run
 
+_HOST = torch.device("cpu")
 _function_modes = torch._C._len_torch_function_stack
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 
@@ -107,6 +108,7 @@ class ThreadRuntime:
         self._timeout = timeout_seconds
         self._local = threading.local()  # .generation: the run a replica thread serves
         self._split_threads = self._n > 1 and all(d.kind == "CPU" for d in topology.devices)
+        self._host_only = all(d == _HOST for d in topology.torch_devices)
         self._baton = self._split_threads and timeout_seconds is None
         self._streams = RandomStreams(topology.replica_ids) if (
             per_replica_random and self._n > 1
@@ -158,8 +160,10 @@ class ThreadRuntime:
         threads = max(1, full // self._n) if self._split_threads else full
         state = None if plain_thread() else capture()
         profiled = profiling()
+        caller_device = current_device()
         run = RunCall(call, fn, self._local, self._topology.torch_devices, self._streams,
-                      threads, state, current_device(), profiled)
+                      threads, state, caller_device,
+                      profiled, not profiled and self._host_only and caller_device == _HOST)
         if profiled:
             with record(f"mirrored.run: {fn_name(fn)}"):
                 return self._run(run, full)

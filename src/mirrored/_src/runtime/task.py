@@ -33,8 +33,8 @@ class ReplicaFailure:
 class Task:
     """One run's calls: who claimed each replica, results, failures, the done signal."""
 
-    __slots__ = ("_done", "_finished", "_lock", "_owner", "_remaining", "_signaled", "call",
-                 "failures", "on_exit", "results")
+    __slots__ = ("_done", "_finished", "_lock", "_remaining", "_signaled", "call", "failures",
+                 "on_exit", "owners", "results")
 
     def __init__(self, call: Callable[[int], Any], n: int,
                  on_exit: Callable[[int, BaseException | None], None]) -> None:
@@ -42,7 +42,9 @@ class Task:
         self.on_exit = on_exit
         self.results: list[Any] = [None] * n
         self.failures: list[ReplicaFailure] = []
-        self._owner: list[str | None] = [None] * n
+        # Who claimed each replica ("caller", "worker", "cancelled"); written only by
+        # `claim` and `settle_caller` under the lock, read without it elsewhere.
+        self.owners: list[str | None] = [None] * n
         self._finished = [False] * n
         self._remaining = n
         self._lock = _thread.allocate_lock()
@@ -52,9 +54,9 @@ class Task:
 
     def claim(self, index: int, owner: str) -> bool:
         with self._lock:
-            if self._owner[index] is not None:
+            if self.owners[index] is not None:
                 return False
-            self._owner[index] = owner
+            self.owners[index] = owner
             return True
 
     def execute(self, index: int) -> None:
@@ -74,8 +76,12 @@ class Task:
                 self._finish(index)
 
     def _finish(self, index: int) -> None:
-        with self._lock:
-            self._finish_locked(index)
+        with self._lock:  # (`_finish_locked`, inlined: this runs for every replica)
+            if not self._finished[index]:
+                self._finished[index] = True
+                self._remaining -= 1
+                if self._remaining == 0:
+                    self._signal_locked()
 
     def _finish_locked(self, index: int) -> None:
         if not self._finished[index]:
@@ -119,19 +125,19 @@ class Task:
         """After an interrupt of the caller: its own replicas are no longer running and
         replicas nobody claimed never will."""
         with self._lock:
-            for i, owner in enumerate(self._owner):
+            for i, owner in enumerate(self.owners):
                 if owner is None:
-                    self._owner[i] = "cancelled"
+                    self.owners[i] = "cancelled"
                     self._finish_locked(i)
                 elif owner == "caller":
                     self._finish_locked(i)
 
     def unclaimed(self, index: int) -> bool:
-        return self._owner[index] is None  # a read: claim decides under the lock
+        return self.owners[index] is None  # a read: claim decides under the lock
 
     def claimed_by_worker(self, index: int) -> bool:
         with self._lock:
-            return self._owner[index] == "worker"
+            return self.owners[index] == "worker"
 
     def fail(self, index: int, error: BaseException) -> None:
         with self._lock:

@@ -10,6 +10,7 @@ import torch
 from .. import context
 from ..collectives import all_gather, all_reduce, merge_call
 from ..collectives.call import call_site
+from ..collectives.one_tensor import OneTensor
 from ..collectives.parts import Parts
 from ..options import CommunicationOptions
 from ..reduce_op import ReduceOp
@@ -37,7 +38,7 @@ class ReplicaContext:
         self._index = index
         self._replica_id = parts.topology.replica_ids[index]
         self._device = parts.topology.device_names[index]
-        self._one_tensor = all_reduce.OneTensor.make(parts, index)
+        self._one_tensor = OneTensor.make(parts, index)
 
     @property
     def replica_id_in_sync_group(self) -> int:

@@ -106,6 +106,7 @@ class ThreadRuntime:
         self._name = name
         self._n = topology.num_local_replicas
         self._timeout = timeout_seconds
+        self._straggler_wait = timeout_seconds or GRACE_SECONDS
         self._local = threading.local()  # .generation: the run a replica thread serves
         self._split_threads = self._n > 1 and all(d.kind == "CPU" for d in topology.devices)
         self._host_only = all(d == _HOST for d in topology.torch_devices)
@@ -180,7 +181,8 @@ class ThreadRuntime:
             # whole intra-op thread budget for that.
             # A baton run (one replica at a time, threads woken only when one waits at a
             # collective) when the previous run was short: see docs/design.md.
-            baton = self._baton and min(self._last_seconds) < BATON_SECONDS
+            last = self._last_seconds
+            baton = self._baton and (last[0] < BATON_SECONDS or last[1] < BATON_SECONDS)
             if baton:
                 self._watchdog.arm()
             start = time.perf_counter()
@@ -193,8 +195,7 @@ class ThreadRuntime:
             try:
                 results, failures = self._executor.run(
                     run.replica, functools.partial(rendezvous.replica_exited, generation),
-                    rendezvous.abort, grace=GRACE_SECONDS,
-                    straggler_wait=self._timeout or GRACE_SECONDS,
+                    rendezvous.abort, grace=GRACE_SECONDS, straggler_wait=self._straggler_wait,
                     baton=rendezvous.in_baton if baton else None)
             finally:
                 rendezvous.finish()

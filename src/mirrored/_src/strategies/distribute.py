@@ -57,7 +57,29 @@ def run(strategy: Any, parts: Parts, contexts: Sequence[Any], fn: Callable[..., 
             context.run_finished(key)
         else:
             run_finished(parts, key)
-    return regroup(results, parts.topology.device_names)
+    return _regroup(results, parts.topology.device_names)
+
+
+def _regroup(results: Sequence[Any], names: tuple[str, ...]) -> Any:
+    """`regroup` of ``run``'s results (``names``: canonical already), without flattening
+    in the common cases: every replica returned ``None``, the same object or a plain
+    tensor of its own."""
+    first = results[0]
+    if first is None:
+        for r in results:
+            if r is not None:
+                return regroup(results, names)
+        return None
+    kind = type(first)
+    if kind is torch.Tensor:
+        same = True
+        for r in results:
+            if type(r) is not kind:
+                return regroup(results, names)
+            if r is not first:
+                same = False
+        return first if same else PerReplica._from_trusted(tuple(results), names)
+    return regroup(results, names)
 
 
 def check_run(parts: Parts, args: Any, kwargs: Any, idle: bool = False) -> ReplicaArgs | None:

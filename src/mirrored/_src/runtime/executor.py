@@ -191,7 +191,7 @@ class Executor:
             return
         deadline = time.monotonic() + self._straggler_wait
         for worker in busy:
-            worker.idle.wait(max(deadline - time.monotonic(), 0.0))
+            worker.wait_idle(max(deadline - time.monotonic(), 0.0))
         still = [w for w in busy if w.busy]
         if still:
             names = ", ".join(self._labels[w.index] for w in still)

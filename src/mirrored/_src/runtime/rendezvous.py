@@ -110,17 +110,18 @@ class Rendezvous:
             self._combine_threads = combine_threads
             self._profiling = profiling
             self._baton = baton
-            self._deferred = []
             self._caller = threading.get_ident()
             self.progress += 1
-            self._generation += 1
+            self._generation = generation = self._generation + 1
             self._active = True
-            self._round = [None] * self._n
-            self._count = 0
-            self._completing = ()
+            if self._count or self._deferred or self._completing:  # (finish leaves them
+                self._round = [None] * self._n  # empty unless a run was interrupted)
+                self._count = 0
+                self._deferred = []
+                self._completing = ()
             self._exited = [False] * self._n
             self._broken = None
-            return self._generation
+            return generation
 
     def finish(self) -> None:
         """Ends the current run: later calls from its replicas are refused."""
@@ -140,9 +141,12 @@ class Rendezvous:
         from a replica it runs the unstarted ones itself (no wake-up at all)."""
         self.progress += 1
         starter = self._starter
-        if exiting and starter is not None and threading.get_ident() == self._caller \
-                and starter.start_next(wake=False):
-            return  # the caller claims the next unstarted replica
+        if exiting and starter is not None and threading.get_ident() == self._caller:
+            if starter.start_next(wake=False):
+                return  # the caller claims the next unstarted replica
+            if self._deferred:  # (no replica is unstarted: claims only ever get taken)
+                self._deferred.pop(0).wake.release()
+            return
         if self._deferred:
             self._deferred.pop(0).wake.release()
         elif starter is not None:

@@ -73,15 +73,12 @@ class Task:
             try:
                 self.on_exit(index, error)
             finally:
-                self._finish(index)
-
-    def _finish(self, index: int) -> None:
-        with self._lock:  # (`_finish_locked`, inlined: this runs for every replica)
-            if not self._finished[index]:
-                self._finished[index] = True
-                self._remaining -= 1
-                if self._remaining == 0:
-                    self._signal_locked()
+                with self._lock:  # (`_finish_locked`, inlined: this runs for every replica)
+                    if not self._finished[index]:
+                        self._finished[index] = True
+                        self._remaining -= 1
+                        if self._remaining == 0:
+                            self._signal_locked()
 
     def _finish_locked(self, index: int) -> None:
         if not self._finished[index]:
@@ -108,6 +105,8 @@ class Task:
         if timeout is None:
             while not self._done.acquire(timeout=SLICE):
                 pass
+            if self._remaining == 0:  # (it only decreases: a read without the lock)
+                return True
         else:
             self._done.acquire(timeout=max(timeout, 0.0))
         return self.rearm()

@@ -44,9 +44,12 @@ def run(strategy: Any, parts: Parts, contexts: Sequence[Any], fn: Callable[..., 
     """`Strategy.run` (but the one-replica fast path): checks, the replicas' calls, the
     runtime's run, the results regrouped."""
     idle = context.idle()  # outside every scope and run: nothing to refuse or nest
-    replica_args = check_run(parts, args, kwargs, idle)
-    if not idle and nested_in_merge_fn(parts):
-        return run_in_merge_fn(parts, contexts, fn, replica_args)
+    if idle and kwargs is None and type(args) is tuple and not args:
+        replica_args = None  # (what check_run returns for no arguments)
+    else:
+        replica_args = check_run(parts, args, kwargs, idle)
+        if not idle and nested_in_merge_fn(parts):
+            return run_in_merge_fn(parts, contexts, fn, replica_args)
     call = context.replica_calls(strategy, contexts, fn, replica_args)
     cluster = parts.cluster
     key = context.run_started(strategy) if cluster is None else run_started(parts)

@@ -273,8 +273,7 @@ def has_strategy() -> bool:
         >>> mirrored.has_strategy()
         False
     """
-    top = _top()
-    return top is not None and top.strategy is not _default()
+    return (top := _top()) is not None and top.strategy is not _default()
 
 
 def get_replica_context() -> ReplicaContext | None:
@@ -323,8 +322,7 @@ def in_cross_replica_context() -> bool:
         >>> strategy.run(mirrored.in_cross_replica_context)
         False
     """
-    top = _top()
-    return top is not None and top.replica_context is None
+    return (top := _top()) is not None and top.replica_context is None
 
 
 def merging_strategy() -> Strategy | None:
@@ -337,7 +335,10 @@ def merging_strategy() -> Strategy | None:
 
 def in_merge_fn_of_run() -> bool:
     """Whether this thread runs a ``merge_fn`` (inside some replica's ``run``)."""
-    return any(frame.merging for frame in _state.stack)
+    for frame in _state.stack:  # noqa: SIM110 (a loop: no generator per collective)
+        if frame.merging:
+            return True
+    return False
 
 
 def current_replica_context() -> ReplicaContext | None:

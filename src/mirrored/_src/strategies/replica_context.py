@@ -115,15 +115,15 @@ class ReplicaContext:
             >>> strategy.experimental_local_results(strategy.run(step))
             (tensor(2.5000), tensor(2.5000))
         """
-        self._check_current("all_reduce")
-        site = call_site(1)
-        if (axis is None and options is None and type(value) is torch.Tensor
-                and self._one_tensor is not None):
-            out = self._one_tensor.all_reduce(reduce_op, value, site)
+        one = self._one_tensor  # (not None: several replicas, so current must be self)
+        if (one is not None and axis is None and options is None and type(value) is torch.Tensor
+                and context.current_replica_context() is self):
+            out = one.all_reduce(reduce_op, value, call_site(1))
             if out is not None:
                 return out
+        self._check_current("all_reduce")
         return all_reduce.all_reduce(self._parts, self._index, reduce_op, value,
-                                     options, axis, site)
+                                     options, axis, call_site(1))
 
     def _sum_examples(self, count: int) -> int:
         """The step's example count over every replica (for ``compute_average_loss``)."""

@@ -43,11 +43,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["RandomStreams", "drop_stale_modes", "library_call"]
+__all__ = ["RandomStreams", "drop_stale_modes", "library_call", "state"]
 
 _MASK = (1 << 63) - 1
 _lock = threading.Lock()  # process-wide: installing the kernels, drawing base seeds
 _local = threading.local()  # .stream: (RandomStreams, index) while running a replica
+state = _local  # (for the runtime's hot path, which sets .stream itself)
 _installed: list[torch.library.Library] = []
 _KEY = torch._C.DispatchKey.BackendSelect
 _CPU = torch._C.DispatchKey.CPU
@@ -138,12 +139,16 @@ class RandomStreams:
         self._base: int | None = None
         self._generators: list[torch.Generator | None] = [None] * len(self._ids)
         self._modes = [ReplicaStream(self, i) for i in range(len(self._ids))]
-        self._keys = [(self, i) for i in range(len(self._ids))]
+        # What `call` puts in the thread's stream slot for each replica (the runtime's
+        # hot path puts it there itself: `state`, `keys`).
+        self.keys = tuple((self, i) for i in range(len(self._ids)))
+        self._keys = self.keys
 
     def start_run(self) -> None:
         """A new run: streams are drawn afresh at the first random call."""
-        self._base = None
-        self._generators = [None] * len(self._ids)
+        if self._base is not None:  # (else no stream was drawn since the last reset)
+            self._base = None
+            self._generators = [None] * len(self._ids)
 
     def mode(self, index: int) -> ReplicaStream:
         """The context to enter on replica ``index``'s thread for its function."""

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .random import RandomStreams
+from .random import state as _streams
 from .thread_state import ThreadState
 
 __all__ = ["RunCall", "add_note", "fn_name", "on_device", "profiling", "record"]
@@ -113,7 +114,12 @@ class RunCall:
             streams = self.streams
             if streams is None:
                 return self.call(i)
-            return streams.call(i, self.call)
+            saved = getattr(_streams, "stream", None)  # (`RandomStreams.call`, inlined)
+            _streams.stream = streams.keys[i]
+            try:
+                return self.call(i)
+            finally:
+                _streams.stream = saved
         finally:
             local.generation = 0
 

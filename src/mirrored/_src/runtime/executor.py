@@ -121,7 +121,8 @@ class Executor:
         if self._closed:
             raise RuntimeError(f"this strategy's replica threads were {self._closed}; "
                                "create a new strategy")
-        self._wait_for_stragglers()
+        if self._straggler_wait:  # (a run was abandoned once)
+            self._wait_for_stragglers()
         n = self._n
         task = Task(call, n, on_exit)
         first = 1 if self._caller_runs else 0

@@ -171,7 +171,9 @@ class ThreadRuntime:
         return self._run(run, full)
 
     def _run(self, run: RunCall, full: int) -> list[Any]:
-        self._acquire_run_lock()
+        lock = self._run_lock
+        if lock._is_owned() or not lock.acquire(False):  # type: ignore[attr-defined]
+            self._acquire_run_lock()  # (the slow path: taken back, waited for, or refused)
         try:
             self._running = True
             self._full_threads = full

@@ -147,7 +147,8 @@ class ThreadRuntime:
                 with record(f"mirrored.run: {fn_name(fn)}"):
                     return [self._run_one(call)]
             return [self._run_one(call)]
-        if _function_modes() or _dispatch_modes():
+        function_modes = _function_modes()
+        if function_modes or _dispatch_modes():
             drop_stale_modes()
             modes = refused_modes()
             if modes:
@@ -161,7 +162,8 @@ class ThreadRuntime:
         threads = max(1, full // self._n) if self._split_threads else full
         state = None if plain_thread() else capture()
         profiled = profiling()
-        caller_device = current_device()
+        # (a `torch.device` context is a function mode: none, and the caller is on the host)
+        caller_device = current_device() if function_modes else _HOST
         run = RunCall(call, fn, self._local, self._topology.torch_devices, self._streams,
                       threads, state, caller_device,
                       profiled, not profiled and self._host_only and caller_device == _HOST)

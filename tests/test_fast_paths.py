@@ -242,3 +242,13 @@ def test_run_results_regroup_as_before(two):
         two.run(lambda: None if rid() == 0 else t)
     pair = two.run(lambda: (rid(), t))
     assert pair[1] is t and pair[0].values == (0, 1)
+
+
+def test_a_device_mode_of_the_caller_is_not_the_plain_case(two):
+    # Under `torch.device("meta")` the caller is not on the host: every replica runs
+    # under its own device (the CPU), on the caller's thread too.
+    with torch.device("meta"):
+        out = two.run(lambda: torch.ones(1) + rid())
+        assert torch.ones(1).device.type == "meta"
+    assert [v.device.type for v in out.values] == ["cpu", "cpu"]
+    assert [v.item() for v in out.values] == [1.0, 2.0]

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -79,6 +80,47 @@ def interleaved(fns: dict[str, Callable[[], object]], repeats: int,
                 fn()
             samples[name].append((time.perf_counter() - start) / inner)
     return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def paired_rounds(builders: dict[str, Callable[[], Callable[[], object]]], copies: int,
+                  rounds: int, block: int, clock: Callable[[], float] = time.perf_counter
+                  ) -> dict[str, tuple[float, float, float]]:
+    """Each variant's time per step against the first variant's, minus 1: the median over
+    rounds and its 90 % bootstrap confidence interval. Every variant is built ``copies``
+    times (memory placements averaged); a round runs ``block`` steps of every copy, in
+    a shuffled order, so that load changes hit every variant alike. ``clock``: wall
+    time by default; ``time.process_time`` counts the CPU of every thread."""
+    steps = [(name, build()) for _ in range(copies) for name, build in builders.items()]
+    for _, step in steps:
+        for _ in range(2 * block):
+            step()
+    names = list(builders)
+    per_round: dict[str, list[float]] = {n: [] for n in names}
+    rng = random.Random(0)
+    order = list(range(len(steps)))
+    for _ in range(rounds):
+        rng.shuffle(order)
+        spent = dict.fromkeys(names, 0.0)
+        for i in order:
+            name, step = steps[i]
+            start = clock()
+            for _ in range(block):
+                step()
+            spent[name] += clock() - start
+        for n in names:
+            per_round[n].append(spent[n])
+    for _, step in steps:
+        if isinstance(step, Mirrored):
+            step.strategy.close()
+    base = per_round[names[0]]
+    out = {}
+    for n in names[1:]:
+        ratios = [a / b - 1 for a, b in zip(per_round[n], base, strict=True)]
+        medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios)))
+                         for _ in range(400))
+        out[n] = statistics.median(ratios), medians[20], medians[379]
+    out[names[0]] = (statistics.median(base) / (copies * block), 0.0, 0.0)  # s per step
+    return out
 
 
 def verdict(ok: bool) -> str:
@@ -253,15 +295,19 @@ def bench_four_replicas(batches: list[int], repeats: int, inner: int) -> None:
 
 def bench_check(batches: list[int], repeats: int, inner: int) -> None:
     print("(d) the divergence check of mirror_optimizer, 2 replicas: cost against "
-          "check='off' (target < 2 %)")
+          "check='off' (target < 2 %); 2 copies of each, blocks of 8 steps (one checked "
+          "step each for 'cheap') in shuffled order; median [90 % CI] of per-round ratios")
     for batch in batches:
-        runs = {check: Mirrored(2, batch, check=check) for check in ("off", "cheap", "full")}
-        t = interleaved(dict(runs), repeats, inner)
-        for run in runs.values():
-            run.strategy.close()
-        cheap, full = t["cheap"] / t["off"] - 1, t["full"] / t["off"] - 1
-        print(f"  batch {batch:>3}: off {t['off'] * 1e6:.0f} us/step; cheap (default) "
-              f"{cheap:+.1%} ({verdict(cheap < 0.02)}); full {full:+.1%}")
+        t = paired_rounds({name: lambda batch=batch, name=name: Mirrored(
+                               2, batch, check=name.strip())  # type: ignore[misc]
+                           for name in ("off", "cheap", "full", "off ")},
+                          copies=2, rounds=repeats * 5, block=8)
+        line = "; ".join(f"{name.strip() + (' again' if name == 'off ' else '')} "
+                         f"{m:+.1%} [{lo:+.1%}, {hi:+.1%}]"
+                         for name, (m, lo, hi) in t.items() if name != "off")
+        cheap = t["cheap"]
+        print(f"  batch {batch:>3}: off {t['off'][0] * 1e6:.0f} us/step; {line} "
+              f"({verdict(cheap[0] < 0.02)} for 'cheap')")
 
 
 def bench_overlap(batches: list[int], repeats: int, inner: int) -> None:

@@ -54,7 +54,7 @@ def fingerprint(tensors: Sequence[torch.Tensor], check: Check, out: torch.Tensor
         if check == "cheap" and all(t.dtype == out.dtype for t in tensors):
             # The common case in two ops: each op of a replica thread may wait for the
             # GIL behind the other replica's, so the op count is what costs on N replicas.
-            torch.stack(torch._foreach_norm(tensors), out=out)
+            torch.stack(torch._foreach_norm(list(tensors)), out=out)
             return
         floats = [t if t.is_floating_point() or t.is_complex() else t.double() for t in tensors]
         norms = torch._foreach_norm([t.detach() for t in floats])

@@ -24,6 +24,7 @@ import torch
 import torch.optim.optimizer as _torch_optimizer
 from torch import nn
 
+from .. import context
 from ..errors import ReplicaDivergenceError
 from . import amp
 from . import overlap as _overlap
@@ -163,7 +164,6 @@ class MirroredOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # The library's own work: without the replica's random-stream mode dispatch.
         self._step(clip_grad_norm)
         if hooked:
             for post in (*self._optimizer_step_post_hooks.values(),
@@ -172,7 +172,10 @@ class MirroredOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step(self, clip_grad_norm: float | None) -> None:
-        ctx, r = replica_of(self._strategy, "MirroredOptimizer.step", self._known)
+        ctx = context.current_replica_context()  # (replica_of's lookup, inlined)
+        r = None if ctx is None else self._known.get(ctx)
+        if ctx is None or r is None:
+            ctx, r = replica_of(self._strategy, "MirroredOptimizer.step")
         if clip_grad_norm is not None and (
                 isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, int | float)
                 or not clip_grad_norm > 0 or math.isinf(clip_grad_norm)):
@@ -217,21 +220,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
         inf/NaN (``GradScaler.unscale_`` on the global gradients)."""
         ctx, r = replica_of(self._strategy, "GradScaler.unscale_")
         self._reducer.reduce(ctx, r)
-        params = self._params[r]
-        found = torch.zeros((), dtype=torch.float32, device=params[0].device)
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for p in params:
-            if p.grad is not None:
-                if p.grad.dtype == torch.float16:
-                    raise ValueError("Attempting to unscale FP16 gradients: keep the "
-                                     "parameters in float32 and autocast the forward pass")
-                groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-        for (device, _), grads in groups.items():
-            here = found if device == found.device else torch.zeros_like(found, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, here,
-                                                             inv_scale.to(device))
-            if here is not found:
-                found += here.to(found.device)
+        found = amp.unscale_grads(self._params[r], inv_scale)
         return found, self._reducer.seq[r]
 
     def amp_step(self, found_inf: torch.Tensor, args: tuple[Any, ...],
@@ -252,8 +241,10 @@ class MirroredOptimizer(torch.optim.Optimizer):
                 all-reduced (no ``step()`` since): each copy would be updated with
                 its own gradients (a manual update) or they would be lost.
         """
-        r = replica_index(self._strategy, "MirroredOptimizer.zero_grad", required=False,
-                          known=self._known)
+        ctx = context.current_replica_context()  # (replica_index's lookup, inlined)
+        r = None if ctx is None else self._known.get(ctx)
+        if r is None:
+            r = replica_index(self._strategy, "MirroredOptimizer.zero_grad", required=False)
         replicas = range(len(self._optimizers)) if r is None else (r,)
         for i in replicas:
             if self._reducer.discards(i):

@@ -137,20 +137,26 @@ class GradientWatch:
                                                                   id(ps[-1]): ps[-1]}.values()]
 
     def _hook(self, r: int) -> Callable[[torch.Tensor], None]:
-        params = self._params[r]
+        # Closures over locals: these run between the kernels of every backward.
+        params, seen_all, pending, queued = self._params[r], self.seen, self._pending, self._queued
+        none = self._none[r]
+        # torch's engine runs queued callbacks when this backward pass ends (a private
+        # entry point, stable since torch 1.x; DDP's reducer uses it).
+        queue = Variable._execution_engine.queue_callback
 
         def snapshot() -> None:
-            self._queued[r] = False
-            seen = self.seen[r] = [None if (g := p.grad) is None else (g, g._version)
-                                   for p in params]
-            self._pending[r] = seen != self._none[r]
+            queued[r] = False
+            seen: list[tuple[torch.Tensor, int] | None] = []
+            for p in params:
+                g = p.grad
+                seen.append(None if g is None else (g, g._version))
+            seen_all[r] = seen
+            pending[r] = seen != none
 
         def hook(_: torch.Tensor) -> None:
-            if not self._queued[r]:
-                self._queued[r] = True
-                # torch's engine runs queued callbacks when this backward pass ends
-                # (a private entry point, stable since torch 1.x; DDP's reducer uses it).
-                Variable._execution_engine.queue_callback(snapshot)
+            if not queued[r]:
+                queued[r] = True
+                queue(snapshot)
         return hook
 
     def pending(self, r: int) -> bool:

@@ -24,7 +24,8 @@ from torch.autograd import Variable
 
 from ..errors import ReplicaDivergenceError
 
-__all__ = ["CHECKS", "Check", "GradientWatch", "compare", "fingerprint", "modified_message"]
+__all__ = ["CHECKS", "Check", "GradientWatch", "compare", "discarded_message", "fingerprint",
+           "modified_message"]
 
 Check = Literal["cheap", "full", "off"]
 CHECKS: tuple[Check, ...] = ("cheap", "full", "off")
@@ -129,7 +130,8 @@ class GradientWatch:
         self._none: list[list[tuple[torch.Tensor, int] | None]] = [[None] * len(p)
                                                                    for p in params]
         self.seen = list(self._none)  # per replica: a backward's records, or all None
-        self._pending = [False] * len(params)  # seen holds a backward's gradients
+        # Per replica: seen holds a backward's gradients (public: a hot path reads it).
+        self.fresh = [False] * len(params)
         self._queued = [False] * len(params)
         self.handles = [p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                             self._hook(r))
@@ -138,7 +140,7 @@ class GradientWatch:
 
     def _hook(self, r: int) -> Callable[[torch.Tensor], None]:
         # Closures over locals: these run between the kernels of every backward.
-        params, seen_all, pending, queued = self._params[r], self.seen, self._pending, self._queued
+        params, seen_all, pending, queued = self._params[r], self.seen, self.fresh, self._queued
         none = self._none[r]
         # torch's engine runs queued callbacks when this backward pass ends (a private
         # entry point, stable since torch 1.x; DDP's reducer uses it).
@@ -161,11 +163,11 @@ class GradientWatch:
 
     def pending(self, r: int) -> bool:
         """Whether replica ``r`` accumulated gradients since its last all-reduce."""
-        return self._pending[r]
+        return self.fresh[r]
 
     def modified(self, r: int, params: Sequence[nn.Parameter]) -> list[int]:
         """The parameters whose gradient changed since backward put it there."""
-        if not self._pending[r]:
+        if not self.fresh[r]:
             return []
         out = []
         for k, (p, s) in enumerate(zip(params, self.seen[r], strict=True)):
@@ -178,7 +180,26 @@ class GradientWatch:
         """Forgets replica ``r``'s records (its gradients were all-reduced). The records
         hold the gradients: kept, they would outlive ``zero_grad()`` and keep a step's
         gradients alive into the next."""
-        self._pending[r] = False
+        self.fresh[r] = False
+        self.seen[r] = self._none[r]
+
+    def settle(self, r: int, names: Sequence[str], replica: Callable[[], int],
+               replicas: int) -> None:
+        """What the all-reduce does with the records of replica ``r``, when there is
+        none to make (one replica in all): raises if a gradient changed in place
+        since ``backward()`` (``names``: the parameters'; ``replica()``: the replica id
+        for the message), else forgets them.
+
+        Raises:
+            ReplicaDivergenceError: a gradient changed in place since ``backward()``.
+        """
+        if not self.fresh[r]:
+            return
+        changed = self.modified(r, self._params[r])
+        if changed:
+            raise ReplicaDivergenceError(modified_message([names[k] for k in changed],
+                                                          replica(), replicas))
+        self.fresh[r] = False
         self.seen[r] = self._none[r]
 
     def remove(self) -> None:
@@ -204,3 +225,14 @@ def modified_message(names: Sequence[str], replica: int, replicas: int = 2) -> s
         "GradScaler: "
         "scaler.step(optimizer, clip_grad_norm=c), or scaler.unscale_(optimizer) first, which "
         "all-reduces, then clip); to scale gradients, scale the loss instead")
+
+
+def discarded_message(replica: int) -> str:
+    """The error for ``zero_grad()`` discarding gradients of a ``backward()`` that were
+    never all-reduced (local ``replica``)."""
+    return (f"MirroredOptimizer.zero_grad discards gradients of local replica {replica} that "
+            "were never all-reduced (backward() ran, but no optimizer.step() since): a manual "
+            "update (p.data.add_(p.grad, alpha=-lr)) trains each copy on its own batch, so the "
+            "copies drift apart. Update with optimizer.step(), which all-reduces first; to drop "
+            "a step's gradients on purpose, call optimizer.step() with a learning rate of 0 or "
+            "do not call backward()")

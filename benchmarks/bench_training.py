@@ -6,7 +6,8 @@ SGD, in examples per second, as ratios against baselines measured in the same ru
 
 (a) 1 replica (``strategy.run`` + ``mirror`` + ``mirror_optimizer`` +
     ``compute_average_loss``) against the same loop in plain PyTorch, global batch
-    64 and 256. Target: overhead <= 5 %.
+    64 and 256, with an A/A pair (the plain loop twice) for the harness's spread.
+    Target: overhead <= 5 %.
 (b) 2 replicas in this process against ``DistributedDataParallel`` on Gloo with 2
     processes on 127.0.0.1 (1 intra-op thread each), same model and global batch
     (64 and 256). Target: >= DDP's examples/s at both sizes (aim: 1.5x). Also
@@ -19,19 +20,23 @@ SGD, in examples per second, as ratios against baselines measured in the same ru
     rest of ``run``: waking replica threads, waiting for the slowest, regrouping), and
     the count all-reduce of ``compute_average_loss``.
 (d) the divergence check (``mirror_optimizer(check=...)``) on 2 replicas: the default
-    ``"cheap"`` and the debugging ``"full"`` against ``"off"``. Target: < 2 %.
+    ``"cheap"`` and the debugging ``"full"`` against ``"off"``, with an A/A pair.
+    Target: < 2 %.
 (e) gradients all-reduced while backward runs (``mirror_optimizer(overlap=True)``)
     against ``overlap=False`` (the in-process default), 2 replicas, with the
     share of the buckets' reduction time that ran during backward. No target:
     decides the default (``--overlap`` runs this part only).
 
 Timings are medians over repeats; variants are interleaved so machine noise hits
-them alike. The machine is shared and noisy: read ratios, not single figures.
+them alike ((a) and (d): several copies of each variant, per-round ratios with a
+bootstrap confidence interval). The machine is shared and noisy: read ratios, not
+single figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
 import statistics
@@ -233,15 +238,20 @@ def ddp_worker(batches: list[int], repeats: int, inner: int) -> list[float]:
 # the measurements
 
 def bench_one_replica(batches: list[int], repeats: int, inner: int) -> None:
-    print("(a) 1 replica vs the same loop in plain PyTorch, examples/s")
+    print("(a) 1 replica vs the same loop in plain PyTorch: overhead per step, median "
+          "[90 % CI] of per-round ratios (3 copies of each, blocks of 4 steps in shuffled "
+          "order; 'plain again' is the A/A spread)")
     for batch in batches:
-        one = Mirrored(1, batch)
-        t = interleaved({"plain": plain_step(batch), "mirrored": one}, repeats, inner)
-        one.strategy.close()
-        overhead = t["mirrored"] / t["plain"] - 1
-        print(f"  batch {batch:>3}: plain {batch / t['plain']:>8.0f}, 1 replica "
-              f"{batch / t['mirrored']:>8.0f} examples/s: overhead {overhead:+.1%} "
-              f"(target <= 5 %: {verdict(overhead <= 0.05)})")
+        builders: dict[str, Callable[[], Callable[[], object]]] = {
+            "plain": functools.partial(plain_step, batch),
+            "mirrored": functools.partial(Mirrored, 1, batch),
+            "plain again": functools.partial(plain_step, batch)}
+        t = paired_rounds(builders, copies=3, rounds=repeats * inner // 4, block=4)
+        m, lo, hi = t["mirrored"]
+        a, a_lo, a_hi = t["plain again"]
+        print(f"  batch {batch:>3}: plain {t['plain'][0] * 1e6:.0f} us/step; 1 replica "
+              f"{m:+.1%} [{lo:+.1%}, {hi:+.1%}] (target <= 5 %: {verdict(hi <= 0.05)}); "
+              f"A/A {a:+.1%} [{a_lo:+.1%}, {a_hi:+.1%}]")
 
 
 def bench_two_replicas(batches: list[int], repeats: int, inner: int) -> None:
@@ -298,10 +308,10 @@ def bench_check(batches: list[int], repeats: int, inner: int) -> None:
           "check='off' (target < 2 %); 2 copies of each, blocks of 8 steps (one checked "
           "step each for 'cheap') in shuffled order; median [90 % CI] of per-round ratios")
     for batch in batches:
-        t = paired_rounds({name: lambda batch=batch, name=name: Mirrored(
-                               2, batch, check=name.strip())  # type: ignore[misc]
-                           for name in ("off", "cheap", "full", "off ")},
-                          copies=2, rounds=repeats * 5, block=8)
+        builders: dict[str, Callable[[], Callable[[], object]]] = {
+            name: functools.partial(Mirrored, 2, batch, check=name.strip())
+            for name in ("off", "cheap", "full", "off ")}
+        t = paired_rounds(builders, copies=2, rounds=repeats * 5, block=8)
         line = "; ".join(f"{name.strip() + (' again' if name == 'off ' else '')} "
                          f"{m:+.1%} [{lo:+.1%}, {hi:+.1%}]"
                          for name, (m, lo, hi) in t.items() if name != "off")

@@ -195,12 +195,17 @@ class GradientWatch:
         """
         if not self.fresh[r]:
             return
-        changed = self.modified(r, self._params[r])
-        if changed:
-            raise ReplicaDivergenceError(modified_message([names[k] for k in changed],
-                                                          replica(), replicas))
-        self.fresh[r] = False
-        self.seen[r] = self._none[r]
+        for p, s in zip(self._params[r], self.seen[r], strict=True):  # (`modified`, inlined)
+            g = p.grad
+            if s is not None and g is not None and (g is not s[0] or g._version != s[1]):
+                break
+        else:
+            self.fresh[r] = False
+            self.seen[r] = self._none[r]
+            return
+        changed = self.modified(r, self._params[r])  # one at least: name them all
+        raise ReplicaDivergenceError(modified_message([names[k] for k in changed], replica(),
+                                                      replicas))
 
     def remove(self) -> None:
         """Removes every hook."""

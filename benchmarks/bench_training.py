@@ -6,7 +6,8 @@ SGD, in examples per second, as ratios against baselines measured in the same ru
 
 (a) 1 replica (``strategy.run`` + ``mirror`` + ``mirror_optimizer`` +
     ``compute_average_loss``) against the same loop in plain PyTorch, global batch
-    64 and 256. Target: overhead <= 5 %.
+    64 and 256, with an A/A pair (the plain loop twice) for the harness's spread.
+    Target: overhead <= 5 %.
 (b) 2 replicas in this process against ``DistributedDataParallel`` on Gloo with 2
     processes on 127.0.0.1 (1 intra-op thread each), same model and global batch
     (64 and 256). Target: >= DDP's examples/s at both sizes (aim: 1.5x). Also
@@ -19,20 +20,25 @@ SGD, in examples per second, as ratios against baselines measured in the same ru
     rest of ``run``: waking replica threads, waiting for the slowest, regrouping), and
     the count all-reduce of ``compute_average_loss``.
 (d) the divergence check (``mirror_optimizer(check=...)``) on 2 replicas: the default
-    ``"cheap"`` and the debugging ``"full"`` against ``"off"``. Target: < 2 %.
+    ``"cheap"`` and the debugging ``"full"`` against ``"off"``, with an A/A pair.
+    Target: < 2 %.
 (e) gradients all-reduced while backward runs (``mirror_optimizer(overlap=True)``)
     against ``overlap=False`` (the in-process default), 2 replicas, with the
     share of the buckets' reduction time that ran during backward. No target:
     decides the default (``--overlap`` runs this part only).
 
 Timings are medians over repeats; variants are interleaved so machine noise hits
-them alike. The machine is shared and noisy: read ratios, not single figures.
+them alike ((a) and (d): several copies of each variant, per-round ratios with a
+bootstrap confidence interval). The machine is shared and noisy: read ratios, not
+single figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -79,6 +85,47 @@ def interleaved(fns: dict[str, Callable[[], object]], repeats: int,
                 fn()
             samples[name].append((time.perf_counter() - start) / inner)
     return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def paired_rounds(builders: dict[str, Callable[[], Callable[[], object]]], copies: int,
+                  rounds: int, block: int, clock: Callable[[], float] = time.perf_counter
+                  ) -> dict[str, tuple[float, float, float]]:
+    """Each variant's time per step against the first variant's, minus 1: the median over
+    rounds and its 90 % bootstrap confidence interval. Every variant is built ``copies``
+    times (memory placements averaged); a round runs ``block`` steps of every copy, in
+    a shuffled order, so that load changes hit every variant alike. ``clock``: wall
+    time by default; ``time.process_time`` counts the CPU of every thread."""
+    steps = [(name, build()) for _ in range(copies) for name, build in builders.items()]
+    for _, step in steps:
+        for _ in range(2 * block):
+            step()
+    names = list(builders)
+    per_round: dict[str, list[float]] = {n: [] for n in names}
+    rng = random.Random(0)
+    order = list(range(len(steps)))
+    for _ in range(rounds):
+        rng.shuffle(order)
+        spent = dict.fromkeys(names, 0.0)
+        for i in order:
+            name, step = steps[i]
+            start = clock()
+            for _ in range(block):
+                step()
+            spent[name] += clock() - start
+        for n in names:
+            per_round[n].append(spent[n])
+    for _, step in steps:
+        if isinstance(step, Mirrored):
+            step.strategy.close()
+    base = per_round[names[0]]
+    out = {}
+    for n in names[1:]:
+        ratios = [a / b - 1 for a, b in zip(per_round[n], base, strict=True)]
+        medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios)))
+                         for _ in range(400))
+        out[n] = statistics.median(ratios), medians[20], medians[379]
+    out[names[0]] = (statistics.median(base) / (copies * block), 0.0, 0.0)  # s per step
+    return out
 
 
 def verdict(ok: bool) -> str:
@@ -191,15 +238,20 @@ def ddp_worker(batches: list[int], repeats: int, inner: int) -> list[float]:
 # the measurements
 
 def bench_one_replica(batches: list[int], repeats: int, inner: int) -> None:
-    print("(a) 1 replica vs the same loop in plain PyTorch, examples/s")
+    print("(a) 1 replica vs the same loop in plain PyTorch: overhead per step, median "
+          "[90 % CI] of per-round ratios (3 copies of each, blocks of 4 steps in shuffled "
+          "order; 'plain again' is the A/A spread)")
     for batch in batches:
-        one = Mirrored(1, batch)
-        t = interleaved({"plain": plain_step(batch), "mirrored": one}, repeats, inner)
-        one.strategy.close()
-        overhead = t["mirrored"] / t["plain"] - 1
-        print(f"  batch {batch:>3}: plain {batch / t['plain']:>8.0f}, 1 replica "
-              f"{batch / t['mirrored']:>8.0f} examples/s: overhead {overhead:+.1%} "
-              f"(target <= 5 %: {verdict(overhead <= 0.05)})")
+        builders: dict[str, Callable[[], Callable[[], object]]] = {
+            "plain": functools.partial(plain_step, batch),
+            "mirrored": functools.partial(Mirrored, 1, batch),
+            "plain again": functools.partial(plain_step, batch)}
+        t = paired_rounds(builders, copies=3, rounds=repeats * inner // 4, block=4)
+        m, lo, hi = t["mirrored"]
+        a, a_lo, a_hi = t["plain again"]
+        print(f"  batch {batch:>3}: plain {t['plain'][0] * 1e6:.0f} us/step; 1 replica "
+              f"{m:+.1%} [{lo:+.1%}, {hi:+.1%}] (target <= 5 %: {verdict(hi <= 0.05)}); "
+              f"A/A {a:+.1%} [{a_lo:+.1%}, {a_hi:+.1%}]")
 
 
 def bench_two_replicas(batches: list[int], repeats: int, inner: int) -> None:
@@ -253,15 +305,19 @@ def bench_four_replicas(batches: list[int], repeats: int, inner: int) -> None:
 
 def bench_check(batches: list[int], repeats: int, inner: int) -> None:
     print("(d) the divergence check of mirror_optimizer, 2 replicas: cost against "
-          "check='off' (target < 2 %)")
+          "check='off' (target < 2 %); 2 copies of each, blocks of 8 steps (one checked "
+          "step each for 'cheap') in shuffled order; median [90 % CI] of per-round ratios")
     for batch in batches:
-        runs = {check: Mirrored(2, batch, check=check) for check in ("off", "cheap", "full")}
-        t = interleaved(dict(runs), repeats, inner)
-        for run in runs.values():
-            run.strategy.close()
-        cheap, full = t["cheap"] / t["off"] - 1, t["full"] / t["off"] - 1
-        print(f"  batch {batch:>3}: off {t['off'] * 1e6:.0f} us/step; cheap (default) "
-              f"{cheap:+.1%} ({verdict(cheap < 0.02)}); full {full:+.1%}")
+        builders: dict[str, Callable[[], Callable[[], object]]] = {
+            name: functools.partial(Mirrored, 2, batch, check=name.strip())
+            for name in ("off", "cheap", "full", "off ")}
+        t = paired_rounds(builders, copies=2, rounds=repeats * 5, block=8)
+        line = "; ".join(f"{name.strip() + (' again' if name == 'off ' else '')} "
+                         f"{m:+.1%} [{lo:+.1%}, {hi:+.1%}]"
+                         for name, (m, lo, hi) in t.items() if name != "off")
+        cheap = t["cheap"]
+        print(f"  batch {batch:>3}: off {t['off'][0] * 1e6:.0f} us/step; {line} "
+              f"({verdict(cheap[0] < 0.02)} for 'cheap')")
 
 
 def bench_overlap(batches: list[int], repeats: int, inner: int) -> None:

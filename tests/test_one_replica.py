@@ -131,6 +131,33 @@ def test_reduce_alone_plan_cache_keeps_errors() -> None:
     strategy.close()
 
 
+@pytest.mark.parametrize("kind", list(ONE_REPLICA))
+def test_reduce_fast_path_after_the_general_path_planned(kind: str) -> None:
+    strategy = ONE_REPLICA[kind]()
+    solo_reduce = strategy._solo.reduce  # type: ignore[union-attr]
+    value = torch.randn(5, 3, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    for op in ("MEAN", mirrored.ReduceOp.MEAN, "mean"):
+        for axis in (0, 1, -1):
+            expected = value.detach().mean(axis % 2)
+            first = strategy.reduce(op, value, axis=axis)  # plans (and caches) the op
+            taken = solo_reduce(op, value, axis)  # then the fast path answers
+            assert taken is not solo.NOT_TAKEN and not taken.requires_grad
+            assert torch.equal(first, expected) and torch.equal(taken, expected)
+    # what it does not take goes the general way, with the general path's errors
+    assert solo_reduce("SUM", value, 0) is solo.NOT_TAKEN
+    assert solo_reduce("MEAN", value.detach().int(), 0) is solo.NOT_TAKEN
+    assert solo_reduce("MEAN", value, (0,)) is solo.NOT_TAKEN
+    assert solo_reduce("MEAN", value, 2) is solo.NOT_TAKEN
+    assert solo_reduce("MEDIAN", value, 0) is solo.NOT_TAKEN
+    with pytest.raises(ValueError, match="MEDIAN"):
+        strategy.reduce("MEDIAN", value, axis=0)
+    with pytest.raises(ValueError, match="axis"):
+        strategy.reduce("MEAN", value, axis=2)
+    with pytest.raises(RuntimeError, match="requires cross-replica context"):
+        strategy.run(lambda: strategy.reduce("MEAN", value, axis=0))
+    strategy.close()
+
+
 # ------------------------------------------------------------------ run's fast path
 @pytest.mark.parametrize("kind", list(ONE_REPLICA))
 def test_run_fast_path_is_a_replica_call(kind: str) -> None:

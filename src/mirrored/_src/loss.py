@@ -40,7 +40,11 @@ def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = 
         >>> strategy.reduce("SUM", per_replica)
         tensor(3.)
     """
-    replica = context.get_replica_context()
+    replica = context.current_replica_context()  # inside run (the hot path): one call
+    in_run = replica is not None
+    if replica is None:
+        replica = context.get_replica_context()  # a merge_fn, a scope or the default's
+        in_run = context.in_run()
     if replica is None:
         raise RuntimeError("compute_average_loss must be called in replica context (inside "
                            "strategy.run); in cross-replica context reduce the losses with "
@@ -65,7 +69,7 @@ def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = 
                              f"{global_batch_size!r}")
         return total / int(size)
     if replica.num_replicas_in_sync == 1:  # the local count is the global one
-        if not context.in_run() and replica.strategy is not None and (
+        if not in_run and replica.strategy is not None and (
                 replica.strategy.default_replica_context is replica):
             context.refuse_default_context_in_foreign_thread("compute_average_loss")
         return total / loss.shape[0]

@@ -84,7 +84,15 @@ def _global_batch_steps(source: Iterable[Any], topology: Topology,
     try:
         for index, batch in enumerate(iterator):
             if n == 1:  # nothing to split: elements of any rank pass as they are (TF)
-                if plain and _as_is(batch, device):
+                if plain and type(batch) is tuple and batch:
+                    for leaf in batch:  # (`_as_is` inlined: this runs at every step)
+                        if type(leaf) is not torch.Tensor or (
+                                device is not None and leaf.device != device):
+                            break
+                    else:
+                        yield batch
+                        continue
+                elif plain and _as_is(batch, device):
                     yield batch
                     continue
                 leaves, spec = flatten_element(batch, f"batch {index} of the dataset")

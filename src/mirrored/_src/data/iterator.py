@@ -113,6 +113,8 @@ class DistributedIterator:
         if depth is None:
             depth = default_depth(devices, options.experimental_fetch_to_device)
         self._steps = Prefetcher(steps, depth) if depth else InlineSteps(steps)
+        # The next step: the generator's own __next__ when inline (no frame in between).
+        self._next_step = self._steps.next_step if depth else steps.__next__
         self._any_worker = any_worker
         self._last: Any = None
         self._exhausted = False
@@ -131,7 +133,7 @@ class DistributedIterator:
             raise StopIteration
         if not self._exhausted:
             try:
-                step = self._steps.next_step()
+                step = self._next_step()
             except StopIteration:
                 self._exhausted = True
             except BaseException:

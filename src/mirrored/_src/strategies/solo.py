@@ -19,6 +19,11 @@ would do exactly that:
 Anything else goes the general way, so its checks and errors are unchanged. The run
 is marked in flight as the general path marks it (other threads are refused while it
 lasts), and an exception gets the same note.
+
+``reduce`` likewise: the README loop's ``strategy.reduce("MEAN", per_example_loss,
+axis=0)`` of a CPU float32/64 tensor is torch's ``mean`` over the axis (what the
+general path computes for one replica, bit for bit), once the general path has
+planned (checked) that op, dtype, rank and axis; anything else goes the general way.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ import torch
 
 from .. import context
 from ..collectives.parts import Parts
+from ..reduce_op import ReduceOp
+from ..reduction import cached_plan
 from ..runtime.runtime import InlineRuntime, ThreadRuntime
 
 __all__ = ["NOT_TAKEN", "SoloRun", "solo_run"]
@@ -38,6 +45,7 @@ __all__ = ["NOT_TAKEN", "SoloRun", "solo_run"]
 NOT_TAKEN: Final = object()  # the call goes the general way
 
 _PLAIN_LEAVES = frozenset({torch.Tensor, int, float, bool, str, type(None)})
+_SUM_IS_MEAN = frozenset({torch.float32, torch.float64})  # torch's CPU mean: sum / count
 _function_modes = torch._C._len_torch_function_stack
 _thread_profiled = torch._C._autograd._profiler_enabled
 _profiler = torch.autograd.profiler
@@ -52,12 +60,14 @@ class SoloRun:
         note: the note an exception of ``fn`` gets (the runtime's), or ``None``.
     """
 
-    __slots__ = ("_context", "_note", "_strategy_ref")
+    __slots__ = ("_context", "_means", "_note", "_strategy_ref")
 
     def __init__(self, strategy: Any, replica_context: Any, note: str | None) -> None:
         self._strategy_ref = weakref.ref(strategy)
         self._context = replica_context
         self._note = note
+        # (op as given, axis, dtype, rank) -> the dims of a MEAN the general path planned
+        self._means: dict[tuple[Any, int, torch.dtype, int], tuple[int, ...]] = {}
 
     def run(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         """``fn(*args)`` in the replica's context, or `NOT_TAKEN`."""
@@ -76,6 +86,39 @@ class SoloRun:
             if self._note is not None:
                 error.__notes__ = [*getattr(error, "__notes__", []), self._note]  # add_note
             raise
+
+
+    def reduce(self, reduce_op: Any, value: Any, axis: Any) -> Any:
+        """``strategy.reduce(reduce_op, value, axis)`` as ``value.mean(axis)``, or
+        `NOT_TAKEN`."""
+        if type(value) is not torch.Tensor or type(axis) is not int or _function_modes():
+            return NOT_TAKEN
+        key = (reduce_op, axis, value.dtype, value.dim())
+        dims = self._means.get(key)
+        if dims is None:
+            dims = self._planned_mean(key)
+            if dims is None:
+                return NOT_TAKEN
+        if not value.is_cpu or not context.may_run_directly(self._strategy_ref()):
+            return NOT_TAKEN
+        return (value.detach() if value.requires_grad else value).mean(dims)
+
+    def _planned_mean(self, key: tuple[Any, int, torch.dtype, int]) -> tuple[int, ...] | None:
+        """The dims of a MEAN of float32/64 that the general path planned already (its
+        checks passed), remembered for ``key``; else ``None``."""
+        reduce_op, axis, dtype, rank = key
+        if type(reduce_op) not in (str, ReduceOp) or dtype not in _SUM_IS_MEAN:
+            return None
+        try:
+            op = ReduceOp.from_value(reduce_op)
+        except ValueError:
+            return None
+        plan = cached_plan(op, torch.empty((0,) * rank, dtype=dtype), (axis,))
+        if plan is None or plan.op is not ReduceOp.MEAN or plan.dims is None:
+            return None
+        if len(self._means) < 64:
+            self._means[key] = plan.dims
+        return plan.dims
 
 
 def solo_run(strategy: Any, parts: Parts, replica_context: Any) -> SoloRun | None:

@@ -148,6 +148,9 @@ class Strategy:
             >>> strategy.reduce("MEAN", v, axis=0)
             tensor(2.5000)
         """
+        if self._solo is not None and (
+                out := self._solo.reduce(reduce_op, value, axis)) is not NOT_TAKEN:
+            return out
         self._require_cross_replica("reduce")
         return cross_replica.reduce(self._parts, reduce_op, value, axis)
 

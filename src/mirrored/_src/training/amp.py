@@ -33,10 +33,11 @@ from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from torch import nn
 
 from .. import context
 
-__all__ = ["ScaledOptimizer", "install"]
+__all__ = ["ScaledOptimizer", "install", "unscale_grads"]
 
 _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
 _LOCK = threading.Lock()
@@ -219,3 +220,33 @@ def install() -> None:
             original = getattr(cls, name)
             _ORIGINAL[name] = original
             setattr(cls, name, wrap(original))
+
+
+def unscale_grads(params: list[nn.Parameter], inv_scale: torch.Tensor) -> torch.Tensor:
+    """Multiplies the gradients of ``params`` by ``inv_scale`` in place and returns 1.0
+    if any is inf or NaN, else 0.0 (``GradScaler.unscale_``'s kernel, per device and
+    dtype).
+
+    Raises:
+        ValueError: a gradient is float16 (as torch's scaler).
+
+    Example:
+        >>> p = nn.Parameter(torch.ones(2))
+        >>> p.grad = torch.tensor([4.0, float("inf")])
+        >>> unscale_grads([p], torch.tensor(0.5)), p.grad
+        (tensor(1.), tensor([2., inf]))
+    """
+    found = torch.zeros((), dtype=torch.float32, device=params[0].device)
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            if p.grad.dtype == torch.float16:
+                raise ValueError("Attempting to unscale FP16 gradients: keep the "
+                                 "parameters in float32 and autocast the forward pass")
+            groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+    for (device, _), grads in groups.items():
+        here = found if device == found.device else torch.zeros_like(found, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, here, inv_scale.to(device))
+        if here is not found:
+            found += here.to(found.device)
+    return found

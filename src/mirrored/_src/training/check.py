@@ -24,7 +24,8 @@ from torch.autograd import Variable
 
 from ..errors import ReplicaDivergenceError
 
-__all__ = ["CHECKS", "Check", "GradientWatch", "compare", "fingerprint", "modified_message"]
+__all__ = ["CHECKS", "Check", "GradientWatch", "compare", "discarded_message", "fingerprint",
+           "modified_message"]
 
 Check = Literal["cheap", "full", "off"]
 CHECKS: tuple[Check, ...] = ("cheap", "full", "off")
@@ -51,6 +52,11 @@ def fingerprint(tensors: Sequence[torch.Tensor], check: Check, out: torch.Tensor
     if not tensors:
         return
     with torch.no_grad():
+        if check == "cheap" and all(t.dtype == out.dtype for t in tensors):
+            # The common case in two ops: each op of a replica thread may wait for the
+            # GIL behind the other replica's, so the op count is what costs on N replicas.
+            torch.stack(torch._foreach_norm(list(tensors)), out=out)
+            return
         floats = [t if t.is_floating_point() or t.is_complex() else t.double() for t in tensors]
         norms = torch._foreach_norm([t.detach() for t in floats])
         if check == "cheap":
@@ -84,7 +90,8 @@ def compare(table: torch.Tensor, names: Sequence[str], step: int, params: int = 
         mirrored._src.errors.ReplicaDivergenceError: ...
     """
     bits = table.view(_INT_VIEW[table.element_size()])
-    if bool((bits == bits[:1]).all()):
+    rows = bits.tolist()  # exact integers: one op, compared in Python (a table is small)
+    if all(row == rows[0] for row in rows):
         return
     slots = table.shape[1] // max(len(names), 1)
     differs = (bits != bits[:1]).view(table.shape[0], len(names), slots).any(dim=2)
@@ -123,7 +130,8 @@ class GradientWatch:
         self._none: list[list[tuple[torch.Tensor, int] | None]] = [[None] * len(p)
                                                                    for p in params]
         self.seen = list(self._none)  # per replica: a backward's records, or all None
-        self._pending = [False] * len(params)  # seen holds a backward's gradients
+        # Per replica: seen holds a backward's gradients (public: a hot path reads it).
+        self.fresh = [False] * len(params)
         self._queued = [False] * len(params)
         self.handles = [p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                             self._hook(r))
@@ -131,29 +139,35 @@ class GradientWatch:
                                                                   id(ps[-1]): ps[-1]}.values()]
 
     def _hook(self, r: int) -> Callable[[torch.Tensor], None]:
-        params = self._params[r]
+        # Closures over locals: these run between the kernels of every backward.
+        params, seen_all, pending, queued = self._params[r], self.seen, self.fresh, self._queued
+        none = self._none[r]
+        # torch's engine runs queued callbacks when this backward pass ends (a private
+        # entry point, stable since torch 1.x; DDP's reducer uses it).
+        queue = Variable._execution_engine.queue_callback
 
         def snapshot() -> None:
-            self._queued[r] = False
-            seen = self.seen[r] = [None if (g := p.grad) is None else (g, g._version)
-                                   for p in params]
-            self._pending[r] = seen != self._none[r]
+            queued[r] = False
+            seen: list[tuple[torch.Tensor, int] | None] = []
+            for p in params:
+                g = p.grad
+                seen.append(None if g is None else (g, g._version))
+            seen_all[r] = seen
+            pending[r] = seen != none
 
         def hook(_: torch.Tensor) -> None:
-            if not self._queued[r]:
-                self._queued[r] = True
-                # torch's engine runs queued callbacks when this backward pass ends
-                # (a private entry point, stable since torch 1.x; DDP's reducer uses it).
-                Variable._execution_engine.queue_callback(snapshot)
+            if not queued[r]:
+                queued[r] = True
+                queue(snapshot)
         return hook
 
     def pending(self, r: int) -> bool:
         """Whether replica ``r`` accumulated gradients since its last all-reduce."""
-        return self._pending[r]
+        return self.fresh[r]
 
     def modified(self, r: int, params: Sequence[nn.Parameter]) -> list[int]:
         """The parameters whose gradient changed since backward put it there."""
-        if not self._pending[r]:
+        if not self.fresh[r]:
             return []
         out = []
         for k, (p, s) in enumerate(zip(params, self.seen[r], strict=True)):
@@ -166,8 +180,32 @@ class GradientWatch:
         """Forgets replica ``r``'s records (its gradients were all-reduced). The records
         hold the gradients: kept, they would outlive ``zero_grad()`` and keep a step's
         gradients alive into the next."""
-        self._pending[r] = False
+        self.fresh[r] = False
         self.seen[r] = self._none[r]
+
+    def settle(self, r: int, names: Sequence[str], replica: Callable[[], int],
+               replicas: int) -> None:
+        """What the all-reduce does with the records of replica ``r``, when there is
+        none to make (one replica in all): raises if a gradient changed in place
+        since ``backward()`` (``names``: the parameters'; ``replica()``: the replica id
+        for the message), else forgets them.
+
+        Raises:
+            ReplicaDivergenceError: a gradient changed in place since ``backward()``.
+        """
+        if not self.fresh[r]:
+            return
+        for p, s in zip(self._params[r], self.seen[r], strict=True):  # (`modified`, inlined)
+            g = p.grad
+            if s is not None and g is not None and (g is not s[0] or g._version != s[1]):
+                break
+        else:
+            self.fresh[r] = False
+            self.seen[r] = self._none[r]
+            return
+        changed = self.modified(r, self._params[r])  # one at least: name them all
+        raise ReplicaDivergenceError(modified_message([names[k] for k in changed], replica(),
+                                                      replicas))
 
     def remove(self) -> None:
         """Removes every hook."""
@@ -192,3 +230,14 @@ def modified_message(names: Sequence[str], replica: int, replicas: int = 2) -> s
         "GradScaler: "
         "scaler.step(optimizer, clip_grad_norm=c), or scaler.unscale_(optimizer) first, which "
         "all-reduces, then clip); to scale gradients, scale the loss instead")
+
+
+def discarded_message(replica: int) -> str:
+    """The error for ``zero_grad()`` discarding gradients of a ``backward()`` that were
+    never all-reduced (local ``replica``)."""
+    return (f"MirroredOptimizer.zero_grad discards gradients of local replica {replica} that "
+            "were never all-reduced (backward() ran, but no optimizer.step() since): a manual "
+            "update (p.data.add_(p.grad, alpha=-lr)) trains each copy on its own batch, so the "
+            "copies drift apart. Update with optimizer.step(), which all-reduces first; to drop "
+            "a step's gradients on purpose, call optimizer.step() with a learning rate of 0 or "
+            "do not call backward()")

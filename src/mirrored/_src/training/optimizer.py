@@ -24,11 +24,12 @@ import torch
 import torch.optim.optimizer as _torch_optimizer
 from torch import nn
 
+from .. import context
 from ..errors import ReplicaDivergenceError
 from . import amp
 from . import overlap as _overlap
 from .buffers import BUFFER_RULES, BufferRule
-from .check import CHECKS, Check
+from .check import CHECKS, Check, GradientWatch, discarded_message
 from .module import MirroredModule, as_mirrored_module, replica_index, replica_of
 from .reducer import GradientReducer
 
@@ -38,7 +39,7 @@ _GLOBAL_POST_HOOKS: dict[Any, Any] = getattr(_torch_optimizer, "_global_optimize
                                              {})
 
 if TYPE_CHECKING:
-    from mirrored import Strategy
+    from mirrored import ReplicaContext, Strategy
 
 __all__ = ["MirroredOptimizer", "mirror_optimizer"]
 
@@ -93,8 +94,12 @@ class MirroredOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
         self._module, self._strategy = module, module.strategy
         self._known = module._known  # replica context -> local index (the fast lookup)
-        self._optimizers, self._params = optimizers, params
-        self._reducer = GradientReducer(module, params, names, check=check, buffers=buffers,
+        self._optimizers, self._params, self._names = optimizers, params, names
+        parts = module.strategy._parts  # one replica in all: no reducer call, the same refusals
+        self._solo = parts.topology.num_replicas_in_sync == 1 and parts.cluster is None
+        self._watch = GradientWatch(params) if self._solo and check != "off" else None
+        self._reducer = GradientReducer(module, params, names,
+                                        check="off" if self._solo else check, buffers=buffers,
                                         overlap=overlap, bucket_bytes=_overlap.DEFAULT_BUCKET_BYTES)
 
     @property
@@ -163,7 +168,6 @@ class MirroredOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # The library's own work: without the replica's random-stream mode dispatch.
         self._step(clip_grad_norm)
         if hooked:
             for post in (*self._optimizer_step_post_hooks.values(),
@@ -172,15 +176,18 @@ class MirroredOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step(self, clip_grad_norm: float | None) -> None:
-        ctx, r = replica_of(self._strategy, "MirroredOptimizer.step", self._known)
+        ctx = context.current_replica_context()  # (replica_of's lookup, inlined)
+        r = None if ctx is None else self._known.get(ctx)
+        if ctx is None or r is None:
+            ctx, r = replica_of(self._strategy, "MirroredOptimizer.step")
         if clip_grad_norm is not None and (
                 isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, int | float)
                 or not clip_grad_norm > 0 or math.isinf(clip_grad_norm)):
             raise ValueError(f"clip_grad_norm must be a positive finite number or None; "
                              f"got {clip_grad_norm!r}")
         params, optimizer, reducer = self._params[r], self._optimizers[r], self._reducer
-        if not reducer.reduced[r]:  # (one replica in all: no all-reduce, the same refusals)
-            reducer.reduce(ctx, r)
+        if not reducer.reduced[r]:
+            self._settle(ctx, r)
         reducer.reduced[r] = False
         if not reducer.committed[r]:  # elastic: a step the workers did not commit
             return
@@ -193,6 +200,16 @@ class MirroredOptimizer(torch.optim.Optimizer):
         if clip_grad_norm is not None:
             nn.utils.clip_grad_norm_(params, clip_grad_norm)
         optimizer.step()
+
+    def _settle(self, ctx: ReplicaContext, r: int) -> None:
+        """All-reduces replica ``r``'s gradients; one replica in all: only the watch's
+        refusal (a gradient changed in place since ``backward()``)."""
+        if not self._solo:
+            self._reducer.reduce(ctx, r)
+            return
+        if self._watch is not None:
+            self._watch.settle(r, self._names, lambda: ctx.replica_id_in_sync_group, 1)
+        self._reducer.reduced[r] = True
 
     # ------------------------------------------------------------ GradScaler
     def amp_replica(self) -> int | None:
@@ -210,28 +227,14 @@ class MirroredOptimizer(torch.optim.Optimizer):
         if r is not None and stepped:
             self._reducer.reduced[r] = False
         elif r is not None and not self._reducer.reduced[r]:
-            self._reducer.reduce(*replica_of(self._strategy, "GradScaler.unscale_"))
+            self._settle(*replica_of(self._strategy, "GradScaler.unscale_"))
 
     def amp_unscale(self, inv_scale: torch.Tensor) -> tuple[torch.Tensor, int]:
         """All-reduces this replica's gradients, then unscales them and checks them for
         inf/NaN (``GradScaler.unscale_`` on the global gradients)."""
         ctx, r = replica_of(self._strategy, "GradScaler.unscale_")
         self._reducer.reduce(ctx, r)
-        params = self._params[r]
-        found = torch.zeros((), dtype=torch.float32, device=params[0].device)
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for p in params:
-            if p.grad is not None:
-                if p.grad.dtype == torch.float16:
-                    raise ValueError("Attempting to unscale FP16 gradients: keep the "
-                                     "parameters in float32 and autocast the forward pass")
-                groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-        for (device, _), grads in groups.items():
-            here = found if device == found.device else torch.zeros_like(found, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, here,
-                                                             inv_scale.to(device))
-            if here is not found:
-                found += here.to(found.device)
+        found = amp.unscale_grads(self._params[r], inv_scale)
         return found, self._reducer.seq[r]
 
     def amp_step(self, found_inf: torch.Tensor, args: tuple[Any, ...],
@@ -252,19 +255,16 @@ class MirroredOptimizer(torch.optim.Optimizer):
                 all-reduced (no ``step()`` since): each copy would be updated with
                 its own gradients (a manual update) or they would be lost.
         """
-        r = replica_index(self._strategy, "MirroredOptimizer.zero_grad", required=False,
-                          known=self._known)
+        ctx = context.current_replica_context()  # (replica_index's lookup, inlined)
+        r = None if ctx is None else self._known.get(ctx)
+        if r is None:
+            r = replica_index(self._strategy, "MirroredOptimizer.zero_grad", required=False)
         replicas = range(len(self._optimizers)) if r is None else (r,)
+        watch, reduced = self._watch, self._reducer.reduced
         for i in replicas:
-            if self._reducer.discards(i):
-                raise ReplicaDivergenceError(
-                        f"MirroredOptimizer.zero_grad discards gradients of local replica {i} "
-                        "that were never all-reduced (backward() ran, but no "
-                        "optimizer.step() since): a manual update (p.data.add_(p.grad, "
-                        "alpha=-lr)) trains each copy on its own batch, so the copies drift "
-                        "apart. Update with optimizer.step(), which all-reduces first; to "
-                        "drop a step's gradients on purpose, call optimizer.step() with a "
-                    "learning rate of 0 or do not call backward()")
+            if (watch.fresh[i] and not reduced[i]) if watch is not None else (
+                    self._reducer.discards(i)):
+                raise ReplicaDivergenceError(discarded_message(i))
         for i in replicas:
             self._reducer.reduced[i] = False  # (all-reduced by unscale_: discarded now)
             self._optimizers[i].zero_grad(set_to_none)

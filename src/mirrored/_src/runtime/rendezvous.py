@@ -142,9 +142,9 @@ class Rendezvous:
         self.progress += 1
         starter = self._starter
         if exiting and starter is not None and threading.get_ident() == self._caller:
-            if starter.start_next(wake=False):
-                return  # the caller claims the next unstarted replica
-            if self._deferred:  # (no replica is unstarted: claims only ever get taken)
+            # The caller claims the next unstarted replica itself; with none left, a
+            # deferred replica resumes.
+            if self._deferred and not starter.start_next(wake=False):
                 self._deferred.pop(0).wake.release()
             return
         if self._deferred:

@@ -11,6 +11,9 @@ baselines measured in the same run.
     of a scalar ``all_reduce`` (target <= 0.5x JAX ``pmap`` + ``psum`` on 2 CPU
     devices, measured in a subprocess in the same run when jax is installed:
     ``pip install -e .[bench]``).
+(a3) ``--bytecodes``: the Python bytecodes executed per ``run`` of the (a2) steps, on
+    every thread (``sys.settrace`` with opcode events; baton runs kept as such): a
+    measure of the library's own work that does not move with the machine's load.
 (b) ``strategy.reduce(SUM, axis=None)`` of N components of 64 MiB against the
     memory-traffic floor: one ``torch.add`` of two such tensors into a
     preallocated output. Targets: <= 1.3x the floor for N = 2, and
@@ -30,6 +33,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -191,10 +195,63 @@ def bench_reduce(replicas: list[int], mib: int, rounds: int) -> None:
         del parts, value
 
 
+def count_bytecodes(runs: int = 200) -> None:
+    """(a3): bytecodes and Python calls per ``run`` of each (a2) step, on every thread."""
+    import threading
+
+    from mirrored._src.runtime import runtime
+
+    counts = {"opcode": 0, "call": 0}
+    on = [False]
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if not on[0]:
+            return None
+        frame.f_trace_opcodes = True
+        if event in counts:
+            counts[event] += 1
+        return tracer
+
+    threading.settrace(tracer)  # the replica threads start below, traced
+    saved, runtime.BATON_SECONDS = runtime.BATON_SECONDS, float("inf")  # tracing is slow
+    try:
+        strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+        t = torch.ones(())
+
+        def scalar_all_reduce() -> torch.Tensor:
+            ctx = mirrored.get_replica_context()
+            assert ctx is not None
+            return ctx.all_reduce("SUM", t)
+
+        print("\n(a3) 2 replicas: Python bytecodes (and calls) per run, every thread")
+        for name, fn in [("run no-op", lambda: None), ("run t + 0", lambda: t + 0),
+                         ("run + all_reduce", scalar_all_reduce)]:
+            for _ in range(50):
+                strategy.run(fn)
+            counts.update(opcode=0, call=0)
+            on[0] = True
+            sys.settrace(tracer)
+            for _ in range(runs):
+                strategy.run(fn)
+            sys.settrace(None)
+            on[0] = False
+            print(f"    {name:<18} {counts['opcode'] / runs:8.0f} bytecodes "
+                  f"{counts['call'] / runs:6.0f} calls")
+        strategy.close()
+    finally:
+        threading.settrace(None)
+        runtime.BATON_SECONDS = saved
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few repeats")
+    parser.add_argument("--bytecodes", action="store_true",
+                        help="only (a3): bytecodes per run, independent of the load")
     args = parser.parse_args()
+    if args.bytecodes:
+        count_bytecodes()
+        return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads\n")
     bench_run([2, 4, 8], inner=200 if args.quick else 2000)
     bench_small_steps(rounds=50 if args.quick else 300)

@@ -15,7 +15,8 @@ from .. import pytree
 from ..reduction import describe_spec
 
 __all__ = ["Arrival", "CallSpec", "CollectiveFailure", "Failure", "Raise", "Starter",
-           "describe_call", "early_exit_message", "mismatch_message", "outside_message"]
+           "describe_call", "early_exit_message", "mismatch_message", "outside_message",
+           "timeout_message"]
 
 P = TypeVar("P")
 R = TypeVar("R")
@@ -152,6 +153,18 @@ def outside_message(arrival: Arrival[Any, Any], *, abandoned: bool) -> str:
     return (f"{arrival.title} at {arrival.site} was called outside strategy.run: "
             "collectives (and backward passes through them) must run inside the step "
             "function, in every replica")
+
+
+def timeout_message(arrival: Arrival[Any, Any], timeout: float, labels: Sequence[str],
+                    arrived: Sequence[bool]) -> str:
+    """Why ``arrival`` timed out: which replicas arrived and which are missing."""
+    missing = len(arrived) - sum(arrived)
+    return (f"{arrival.title} at {arrival.site} timed out after {timeout:g} s: "
+            f"{missing} of {len(labels)} replicas did not arrive\n"
+            + "\n".join(f"  {label}: arrived" for label, a in zip(labels, arrived, strict=True)
+                        if a) + "\n"
+            + "\n".join(f"  {label}: missing" for label, a in zip(labels, arrived, strict=True)
+                        if not a))
 
 
 def early_exit_message(labels: Sequence[str], exited: Sequence[int],

@@ -44,6 +44,7 @@ from .contract import (
     early_exit_message,
     mismatch_message,
     outside_message,
+    timeout_message,
 )
 
 __all__ = ["Rendezvous"]
@@ -134,19 +135,13 @@ class Rendezvous:
                 self._release_deferred_locked()
 
     # ------------------------------------------------------------- baton
-    def _hand_over_locked(self, exiting: bool) -> None:
+    def _hand_over_locked(self) -> None:
         """The replica holding the baton waits at a collective or returned: the next one
         runs. A replica whose collective completed resumes first (its deferred wake-up),
-        else an unstarted replica starts on its thread; when the caller of run returned
-        from a replica it runs the unstarted ones itself (no wake-up at all)."""
+        else an unstarted replica starts on its thread (when the caller of run returned
+        from a replica it runs the unstarted ones itself: `replica_exited`)."""
         self.progress += 1
         starter = self._starter
-        if exiting and starter is not None and threading.get_ident() == self._caller:
-            # The caller claims the next unstarted replica itself; with none left, a
-            # deferred replica resumes.
-            if self._deferred and not starter.start_next(wake=False):
-                self._deferred.pop(0).wake.release()
-            return
         if self._deferred:
             self._deferred.pop(0).wake.release()
         elif starter is not None:
@@ -221,7 +216,7 @@ class Rendezvous:
                 self._completer = threading.get_ident()
             elif self._baton:
                 if timeout is None:
-                    self._hand_over_locked(False)
+                    self._hand_over_locked()
                 elif self._concurrent_locked() and self._starter is not None:
                     self._starter.start_all()  # a timeout measures the others' lateness
         if not self._profiling:
@@ -315,14 +310,9 @@ class Rendezvous:
                     slot.wake.acquire(False)
                     return
                 if slot not in self._completing:
-                    arrived = [j for j, s in enumerate(self._round) if s is not None]
-                    missing = [j for j in range(self._n) if j not in arrived]
-                    arrival = slot.arrival
-                    self._break_locked(CollectiveTimeoutError, (
-                        f"{arrival.title} at {arrival.site} timed out after {timeout:g} s: "
-                        f"{len(missing)} of {self._n} replicas did not arrive\n"
-                        + "\n".join(f"  {self._labels[j]}: arrived" for j in arrived) + "\n"
-                        + "\n".join(f"  {self._labels[j]}: missing" for j in missing)))
+                    arrived = [s is not None for s in self._round]
+                    self._break_locked(CollectiveTimeoutError, timeout_message(
+                        slot.arrival, timeout, self._labels, arrived))
                     if self._on_timeout is not None and timeout is not None:
                         self._on_timeout(timeout)
                     slot.wake.acquire(False)
@@ -376,7 +366,15 @@ class Rendezvous:
                 return  # a straggler of an abandoned run
             self._exited[index] = True
             if self._baton and error is None:
-                self._hand_over_locked(True)
+                starter = self._starter
+                if starter is not None and threading.get_ident() == self._caller:
+                    # The caller claims the next unstarted replica itself (no wake-up);
+                    # with none left, a deferred replica resumes.
+                    self.progress += 1
+                    if self._deferred and not starter.start_next(wake=False):
+                        self._deferred.pop(0).wake.release()
+                else:
+                    self._hand_over_locked()
             if self._broken is not None or (error is None and not self._count):
                 return
             waiting = {j: s.arrival for j, s in enumerate(self._round) if s is not None}

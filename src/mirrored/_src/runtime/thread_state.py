@@ -83,7 +83,7 @@ def plain_thread() -> bool:
     `capture` (no snapshot); see `ThreadState.is_plain`."""
     return (torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
             and not torch._C._is_any_autocast_enabled()
-            and _hooks() is None)
+            and torch._C._autograd._top_saved_tensors_default_hooks(False) is None)  # (_hooks)
 
 
 def capture() -> ThreadState:

@@ -186,9 +186,6 @@ def experimental_set_strategy(strategy: StrategyLike | None) -> None:
         state.set_scope = scope
 
 
-_NO_ARGS: tuple[tuple[()], dict[str, Any]] = ((), {})  # (never mutated: ** copies it)
-
-
 def replica_calls(strategy: Strategy, contexts: Sequence[ReplicaContext], fn: Callable[..., Any],
                   replica_args: ReplicaArgs | None) -> Callable[[int], Any]:
     """``call(i)``: ``fn(*replica_args(i))`` (no arguments for ``None``) with this thread
@@ -197,7 +194,9 @@ def replica_calls(strategy: Strategy, contexts: Sequence[ReplicaContext], fn: Ca
         stack = _state.stack
         stack.append(_new_frame(_Frame, (strategy, contexts[i], False, True)))  # in_run
         try:
-            args, kwargs = _NO_ARGS if replica_args is None else replica_args(i)
+            if replica_args is None:
+                return fn()
+            args, kwargs = replica_args(i)
             return fn(*args, **kwargs)
         finally:
             stack.pop()

@@ -43,6 +43,8 @@ class CrossWorkerCalls:
         self._local_replicas = topology.num_local_replicas
         self._wire = wire
         self._wire_hashes: dict[Wire, int] = {}
+        self._lengths: dict[tuple[str, str, int], int] = {}
+        self._keys: dict[tuple[Any, ...], str] = {}
         self._direct = _direct_all_reduce(group)
 
     def call(self, what: str, wire: Wire, data: list[torch.Tensor], *, flag: int = 0,
@@ -59,7 +61,12 @@ class CrossWorkerCalls:
             raise RuntimeError(f"this strategy's cross-worker communication is unusable after "
                                f"an earlier failure ({ledger.broken}); restart the job")
         who = user_call()
-        key = f"{ledger.in_run}|{who}|{what}|{wire}"
+        known = (ledger.in_run, who.entry, who.site, what, wire)
+        key = self._keys.get(known)
+        if key is None:  # (a loop repeats its calls: the key is kept)
+            if len(self._keys) > 4096:
+                self._keys.clear()
+            key = self._keys[known] = f"{ledger.in_run}|{who}|{what}|{wire}"
         index = ledger.index + 1
         seq, prediction = ledger.enter(key, wire)
         text = (f"{who.entry}({short(what)}) at {who.site} (collective {index} "
@@ -70,22 +77,25 @@ class CrossWorkerCalls:
         check = self._check
         ident = identity_hash(f"{seq}|{ledger.run}|{index}|{key}") if check else 0
         predicted = self._wire_hash(prediction) if check and prediction else 0
-        row = [ident, predicted, 0, flag, value, *sizes]
-        row += [0] * (HEAD + self._local_replicas - len(row))
         agreed, ledger.agreed = ledger.agreed, None
         if not check and wire and wire != GATHER:
             self.watch.wait(self._launch(wire, data, fill), seq, text)  # unchecked: data only
             self._done(seq)
             return []
+        row = [ident, predicted, 0, flag, value, *sizes]
+        row += [0] * (HEAD + self._local_replicas - len(row))
         if agreed is not None and agreed != GATHER:
             inside = self._trailer_length(agreed)  # the check rides in the data
             if agreed == wire:  # header and data together
                 if inside:
-                    trailer.encode(data[0][-inside:], wire[0][0], self._world,
-                                   (ident, predicted, 0))
+                    expected = trailer.write(data[0], wire[0][0], self._world,
+                                             (ident, predicted, 0))
                     self.watch.wait(self._launch(wire, data, fill), seq, text)
-                    (same, guess, miss), _ = trailer.decode(data[0][-inside:], wire[0][0],
-                                                            self._world)
+                    if trailer.holds(data[0], expected):  # every worker sent the same
+                        same, guess, miss = ident, predicted, 0
+                    else:
+                        (same, guess, miss), _ = trailer.decode(data[0][-inside:],
+                                                                wire[0][0], self._world)
                     if miss == 0:
                         if same is None:
                             self.watch.mismatch(seq, text)
@@ -130,13 +140,13 @@ class CrossWorkerCalls:
             self._job.note_progress(seq, seq - 1)
             self.watch.fail_if_gone(seq, text)
         inside = self._trailer_length(wire) if self._check else 0
-        predicted = 0
+        predicted, expected = 0, b""
         if inside:
             ident = identity_hash(f"{seq}|{ledger.run}|{index}|{key}")
             predicted = self._wire_hash(prediction) if prediction else 0
-            trailer.encode(data[0][-inside:], wire[0][0], self._world, (ident, predicted, 0))
+            expected = trailer.write(data[0], wire[0][0], self._world, (ident, predicted, 0))
         return PendingCall(self._launch(wire, data), data[0], wire[0][0], inside, seq, text,
-                           predicted)
+                           predicted, expected)
 
     def finish(self, pending: PendingCall) -> None:
         """Waits for a `launch`ed call; raises `CollectiveMismatchError` (its data
@@ -144,8 +154,11 @@ class CrossWorkerCalls:
         self.watch.wait(pending.works, pending.seq, pending.text)
         ledger = self._ledger
         if pending.inside:
-            (same, guess, miss), _ = trailer.decode(pending.buffer[-pending.inside:],
-                                                    pending.kind, self._world)
+            if trailer.holds(pending.buffer, pending.expected):  # every worker sent the same
+                same, guess, miss = 0, pending.predicted, 0
+            else:
+                (same, guess, miss), _ = trailer.decode(pending.buffer[-pending.inside:],
+                                                        pending.kind, self._world)
             if same is None or miss != 0:
                 self.watch.mismatch(pending.seq, pending.text)
             if pending.seq == ledger.seq:  # the latest call: its prediction may stand
@@ -165,8 +178,13 @@ class CrossWorkerCalls:
         """The trailer a call of these wire sizes carries in its first pack (0: none)."""
         if not wire or wire[0][0] not in ("sum", "min", "max"):
             return 0
-        dtype = getattr(torch, wire[0][1].removeprefix("torch."))
-        return trailer.length(wire[0][0], dtype, self._world)
+        known = self._lengths.get(wire[0])
+        if known is None:
+            dtype = getattr(torch, wire[0][1].removeprefix("torch."))
+            if len(self._lengths) > 4096:
+                self._lengths.clear()
+            known = self._lengths[wire[0]] = trailer.length(wire[0][0], dtype, self._world)
+        return known
 
     def _done(self, seq: int) -> None:
         self._ledger.completed = seq
@@ -231,9 +249,10 @@ class PendingCall:
     """A `CrossWorkerCalls.launch`ed call: its collectives (``works``), the buffer whose
     last ``inside`` elements are the trailer, and the call's number and name."""
 
-    __slots__ = ("buffer", "inside", "kind", "predicted", "seq", "text", "works")
+    __slots__ = ("buffer", "expected", "inside", "kind", "predicted", "seq", "text", "works")
 
     def __init__(self, works: list[Any], buffer: torch.Tensor, kind: str, inside: int,
-                 seq: int, text: str, predicted: int) -> None:
+                 seq: int, text: str, predicted: int, expected: bytes = b"") -> None:
         self.works, self.buffer, self.kind, self.inside = works, buffer, kind, inside
         self.seq, self.text, self.predicted = seq, text, predicted
+        self.expected = expected  # the combined trailer when every worker sent the same

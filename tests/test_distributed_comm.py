@@ -393,14 +393,14 @@ def _pair_calls(comm: DistributedCommunicator, topology: Topology) -> list[bool]
     from mirrored._src.comm import cross_call
 
     launched: list[str] = []
-    original = cross_call.CrossWorkerCalls._pair_start
+    original = cross_call.PairExchange.start
 
     def spy(self: Any, source: torch.Tensor, out: torch.Tensor | None) -> list[Any]:
         if out is not None:  # (None: zeros sent on a miss of the predicted sizes)
             launched.append(str(source.dtype))
         return original(self, source, out)
 
-    cross_call.CrossWorkerCalls._pair_start = spy  # type: ignore[method-assign]
+    cross_call.PairExchange.start = spy  # type: ignore[method-assign]
     same = []
     for x in _pair_inputs(topology.worker_index):
         before = x.clone()

@@ -18,14 +18,14 @@ from .buffers import default_pool
 from .call_identity import CallLedger, JobLink, Wire, identity_hash, user_call
 from .watch import CallWatch, P2PWork, short
 
-__all__ = ["GATHER", "HEAD", "PAIR_SUM", "CrossWorkerCalls", "P2PWork", "PendingCall"]
+__all__ = ["GATHER", "HEAD", "PAIR_SUM", "CrossWorkerCalls", "PairExchange", "PendingCall"]
 
 _DIST_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 HEAD = 5  # identity, prediction, miss, flag, value; then one size per local replica
 GATHER: Wire = (("gather", "", 0),)  # sizes known only from the header
 # A large SUM between 2 workers, out of place: each worker adds one half of the
-# result and sends it to the other (`CrossWorkerCalls._pair_start`), so the input
-# needs no copy into the result first. Its call is checked by the header.
+# result and sends it to the other (`PairExchange`), so the input needs no copy
+# into the result first. Its call is checked by the header.
 PAIR_SUM = "pair-sum"
 
 
@@ -51,8 +51,7 @@ class CrossWorkerCalls:
         self._lengths: dict[tuple[str, str, int], int] = {}
         self._keys: dict[tuple[Any, ...], str] = {}
         self._direct = _direct_all_reduce(group)
-        self._rank = topology.worker_index
-        self._pairs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, slice, slice]] = []
+        self._pair = PairExchange(group, topology.worker_index, ledger)
 
     def call(self, what: str, wire: Wire, data: list[torch.Tensor], *, flag: int = 0,
              value: int = 0, sizes: Sequence[int] = (),
@@ -64,7 +63,7 @@ class CrossWorkerCalls:
         when given, writes ``data[i]``'s payload right before its collective is
         launched (so copying the next buffer overlaps the previous one's transfer); it
         never touches a trailer. A ``PAIR_SUM`` entry reads ``data[i]`` and writes the
-        sum into ``outputs[i]`` (see `_pair_start`)."""
+        sum into ``outputs[i]`` (see `PairExchange`)."""
         ledger = self._ledger
         if ledger.broken is not None:
             raise RuntimeError(f"this strategy's cross-worker communication is unusable after "
@@ -100,6 +99,9 @@ class CrossWorkerCalls:
                     expected = trailer.write(data[0], wire[0][0], self._world,
                                              (ident, predicted, 0))
                     self.watch.wait(self._launch(wire, data, fill), seq, text)
+                    same: int | None
+                    guess: int | None
+                    miss: int | None
                     if trailer.holds(data[0], expected):  # every worker sent the same
                         same, guess, miss = ident, predicted, 0
                     else:
@@ -172,6 +174,9 @@ class CrossWorkerCalls:
         self.watch.wait(pending.works, pending.seq, pending.text)
         ledger = self._ledger
         if pending.inside:
+            same: int | None
+            guess: int | None
+            miss: int | None
             if trailer.holds(pending.buffer, pending.expected):  # every worker sent the same
                 same, guess, miss = 0, pending.predicted, 0
             else:
@@ -213,12 +218,12 @@ class CrossWorkerCalls:
                 fill: Callable[[int], None] | None = None,
                 outputs: Sequence[torch.Tensor] = ()) -> list[Any]:
         works: list[Any] = []
-        self._pairs = []
+        self._pair.pending = []
         for i, ((kind, _, _), buffer) in enumerate(zip(wire, data, strict=True)):
             if fill is not None:
                 fill(i)
             if kind == PAIR_SUM:
-                works += self._pair_start(buffer, outputs[i] if outputs else None)
+                works += self._pair.start(buffer, outputs[i] if outputs else None)
             elif kind == "broadcast":
                 works.append(dist.broadcast(buffer, src=0, group=self._group, async_op=True))
             elif self._direct is not None and not buffer.is_complex():
@@ -230,35 +235,8 @@ class CrossWorkerCalls:
                                              async_op=True))
         return works
 
-    def _pair_start(self, source: torch.Tensor, out: torch.Tensor | None) -> list[Any]:
-        """The first half of a `PAIR_SUM` (2 workers): each worker sends the peer the
-        half of ``source`` that the peer sums and receives the other worker's part of
-        its own half. Nothing of the peer's data is used before `_pair_finish`, which
-        runs once the call's identity agreed (with ``out=None``: never, a miss)."""
-        n, peer = source.numel(), 1 - self._rank
-        half = n // 2
-        mine, other = (slice(0, half), slice(half, n)) if self._rank == 0 else (
-            slice(half, n), slice(0, half))
-        received = default_pool().empty((mine.stop - mine.start,), source.dtype,
-                                         source.device)
-        tag = self._ledger.next_tag()
-        works = [P2PWork(dist.isend(source[other], peer, group=self._group, tag=tag)),
-                 P2PWork(dist.irecv(received, peer, group=self._group, tag=tag))]
-        if out is not None:
-            self._pairs.append((source, out, received, mine, other))
-        return works
-
     def _pair_finish(self, seq: int, text: str) -> None:
-        """The second half of the launched `PAIR_SUM` entries: this worker's half of
-        the sum (``source + received``: bitwise what Gloo's 2-worker all-reduce adds),
-        sent to the peer while the peer's half arrives."""
-        pairs, self._pairs = self._pairs, []
-        peer, works = 1 - self._rank, []
-        for source, out, received, mine, other in pairs:
-            torch.add(source[mine], received, out=out[mine])
-            tag = self._ledger.next_tag()
-            works += [P2PWork(dist.isend(out[mine], peer, group=self._group, tag=tag)),
-                      P2PWork(dist.irecv(out[other], peer, group=self._group, tag=tag))]
+        works = self._pair.finish()
         if works:
             self.watch.wait(works, seq, text)
 
@@ -297,6 +275,51 @@ def _direct_all_reduce(group: Any) -> tuple[Any, dict[str, Any]] | None:
     except (AttributeError, RuntimeError):
         return None
     return (pg, options) if hasattr(pg, "allreduce") else None
+
+
+class PairExchange:
+    """A `PAIR_SUM` between 2 workers (``rank``: this one): `start` sends the peer the
+    half of the input that the peer sums and receives the peer's part of this
+    worker's half; once the call's identity agreed, `finish` adds this worker's
+    half of the result (``input + received``: bitwise what Gloo's 2-worker
+    all-reduce adds) into the output and swaps the halves. Nothing received is used
+    before `finish`, which a call whose identity differs never reaches.
+
+    Example:
+        >>> PairExchange(None, 0, CallLedger()).finish()
+        []
+    """
+
+    def __init__(self, group: Any, rank: int, ledger: CallLedger) -> None:
+        self._group, self._rank, self._ledger = group, rank, ledger
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, slice, slice]] = []
+
+    def start(self, source: torch.Tensor, out: torch.Tensor | None) -> list[Any]:
+        """The first exchange (``out=None``: zeros sent on a miss, never finished)."""
+        n, peer = source.numel(), 1 - self._rank
+        half = n // 2
+        mine, other = (slice(0, half), slice(half, n)) if self._rank == 0 else (
+            slice(half, n), slice(0, half))
+        received = default_pool().empty((mine.stop - mine.start,), source.dtype,
+                                         source.device)
+        tag = self._ledger.next_tag()
+        works = [P2PWork(dist.isend(source[other], peer, group=self._group, tag=tag)),
+                 P2PWork(dist.irecv(received, peer, group=self._group, tag=tag))]
+        if out is not None:
+            self.pending.append((source, out, received, mine, other))
+        return works
+
+    def finish(self) -> list[Any]:
+        """This worker's half of each started sum, and the swap of the halves: the
+        works to wait for."""
+        pending, self.pending = self.pending, []
+        peer, works = 1 - self._rank, []
+        for source, out, received, mine, other in pending:
+            torch.add(source[mine], received, out=out[mine])
+            tag = self._ledger.next_tag()
+            works += [P2PWork(dist.isend(out[mine], peer, group=self._group, tag=tag)),
+                      P2PWork(dist.irecv(out[other], peer, group=self._group, tag=tag))]
+        return works
 
 
 class PendingCall:

@@ -191,7 +191,7 @@ class DistributedCommunicator:
 
     def _pair_sum(self, per_replica: Sequence[Sequence[torch.Tensor]], what: str,
                   destinations: tuple[Device, ...]) -> list[torch.Tensor] | None:
-        """A large one-value SUM between 2 workers as a `PAIR_SUM` (``None``: not one):
+        """A large one-value SUM between 2 workers on Gloo as a `PAIR_SUM` (``None``: not one):
         the input is read in place and each worker adds one half of the result, so
         the only copy is the sum itself (a copy into the result, then an in-place
         all-reduce, cost 1.25-1.36x a raw all-reduce; this 0.95x)."""
@@ -200,7 +200,7 @@ class DistributedCommunicator:
             return None
         t = first[0]
         if (t.dtype not in _PAIR_DTYPES or t.numel() * t.element_size() < CHUNK_MIN_BYTES
-                or t.device != self._wire.torch_device or t.requires_grad):
+                or t.device.type != "cpu" or self._wire.kind != "CPU" or t.requires_grad):
             return None
         if len(per_replica) > 1:  # the local sum in replica order (a new tensor)
             source = self._local.reduce_to_devices(

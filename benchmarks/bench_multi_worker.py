@@ -5,7 +5,8 @@ one replica each, as ratios against raw ``torch.distributed`` in the same run.
     python benchmarks/bench_multi_worker.py --quick    # smaller, for a smoke run
 
 (a) 64 MiB all-reduce (SUM) through ``DistributedCommunicator.reduce_packed``
-    against raw in-place ``dist.all_reduce``, interleaved. Target: <= 1.1x.
+    (between 2 workers: the out-of-place pairwise exchange, no copy of the input
+    first) against raw in-place ``dist.all_reduce``, interleaved. Target: <= 1.1x.
 (b) 200 tensors of 1 KiB in one ``reduce_packed`` against 200 raw
     ``dist.all_reduce`` calls. Target: fused >= 10x faster.
 (c) the call check's cost: a 1 MiB ``reduce_packed`` with ``check_calls=True``

@@ -76,3 +76,45 @@ def test_sum_chunks_stay_exact_in_float32(workers):
     (same, guess, _), ok = trailer.decode(_combined("sum", torch.float32, rows), "sum",
                                              workers)
     assert ok and same == 2**62 - 1 and guess == 2**61 + 12345
+
+
+@settings(max_examples=60, deadline=None)
+@given(kind=st.sampled_from(["sum", "max", "min"]),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.int32, torch.int64]),
+       workers=st.integers(min_value=2, max_value=16), ident=_HASH, other=_HASH,
+       odd=st.integers(min_value=0, max_value=15), predicted=_HASH)
+def test_the_combined_trailer_holds_the_expected_bytes_only_when_every_worker_agrees(
+        kind, dtype, workers, ident, other, odd, predicted):
+    n = trailer.length(kind, dtype, workers)
+    rows = [(ident, predicted, 0)] * workers
+    if other != ident:
+        rows[odd % workers] = (other, predicted, 0)
+    parts, expected = [], b""
+    for values in rows:
+        buffer = torch.full((5 + n,), 7, dtype=dtype)  # data, then the trailer at its end
+        expected = trailer.write(buffer, kind, workers, values)
+        assert bool((buffer[:5] == 7).all())  # the data is untouched
+        assert torch.equal(buffer[5:], torch.zeros(n, dtype=dtype) + _encoded(
+            kind, dtype, workers, values))
+        parts.append(buffer)
+    combined = functools.reduce(_COMBINE[kind], parts)
+    # the last worker's expectation: met exactly when every worker sent its values
+    assert trailer.holds(combined, expected) == (other == ident)
+    (same, _, _), ok = trailer.decode(combined[5:], kind, workers)
+    assert ok == (other == ident) and (same == ident or other != ident)
+
+
+def _encoded(kind: str, dtype: torch.dtype, workers: int, values: tuple[int, int, int]
+             ) -> torch.Tensor:
+    out = torch.zeros(trailer.length(kind, dtype, workers), dtype=dtype)
+    trailer.encode(out, kind, workers, values)
+    return out
+
+
+def test_a_trailer_on_a_view_that_is_not_contiguous_is_written_and_read():
+    base = torch.zeros(2, 40)
+    column = base.t()[:, 0]  # stride 40: written through torch, not raw bytes
+    n = trailer.length("sum", torch.float32, 2)
+    expected = trailer.write(column, "sum", 2, (12345, 678, 0))
+    assert torch.equal(column[-n:], _encoded("sum", torch.float32, 2, (12345, 678, 0)))
+    assert trailer.holds(column * 2, expected) and not trailer.holds(column, expected)

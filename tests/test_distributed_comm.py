@@ -376,3 +376,105 @@ def test_a_large_float_sum_is_bitwise_the_raw_collectives_sum(world: int) -> Non
     # 2 workers: in chunks (a + b either way); 3: one collective (a ring's order of
     # addition follows an element's position in the transfer).
     assert _values(_spawn(_against_raw, world, hard_timeout=100), world) == [True] * world
+
+
+# ------------------------------------- a large SUM between 2 workers, out of place
+
+
+def _pair_inputs(rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(10 + rank)
+    n = (4 << 20) // 4 + 7  # odd: the halves differ in size
+    return [torch.randn(n, 1, generator=g), torch.randn(n, generator=g).double(),
+            torch.randint(-2**40, 2**40, (n,), generator=g),
+            torch.randn(3, n // 3, generator=g).t()]  # not contiguous
+
+
+def _pair_calls(comm: DistributedCommunicator, topology: Topology) -> list[bool]:
+    from mirrored._src.comm import cross_call
+
+    launched: list[str] = []
+    original = cross_call.PairExchange.start
+
+    def spy(self: Any, source: torch.Tensor, out: torch.Tensor | None) -> list[Any]:
+        if out is not None:  # (None: zeros sent on a miss of the predicted sizes)
+            launched.append(str(source.dtype))
+        return original(self, source, out)
+
+    cross_call.PairExchange.start = spy  # type: ignore[method-assign]
+    same = []
+    for x in _pair_inputs(topology.worker_index):
+        before = x.clone()
+        raw = x.clone()
+        torch.distributed.all_reduce(raw)
+        for _ in range(3):  # the first call checked by a header, then by prediction
+            out = comm.reduce_packed(ReduceOp.SUM, [[x]], [topology.devices], 0)[0][0]
+            same.append(torch.equal(out, raw) and out.shape == x.shape
+                        and out.data_ptr() != x.data_ptr() and torch.equal(x, before))
+    same.append(len(launched) == 12)  # every call went the pairwise way
+    return same
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("check", [True, False])
+def test_a_large_sum_between_two_workers_is_bitwise_the_raw_all_reduce(check: bool) -> None:
+    for values in _values(_spawn(_pair_calls, 2, hard_timeout=100, check_calls=check), 2):
+        assert values == [True] * len(values)
+
+
+def _pair_then_other_shape(comm: DistributedCommunicator, topology: Topology) -> Any:
+    x = torch.ones(_BIG)
+    for _ in range(2):  # the workers agree on the next call's sizes
+        comm.reduce_packed(ReduceOp.SUM, [[x]], [topology.devices], 0)
+    mine = x.view(1, -1) if topology.worker_index == 1 else x  # same sizes, another call
+    try:
+        comm.reduce_packed(ReduceOp.SUM, [[mine]], [topology.devices], 0)
+    finally:
+        assert bool((x == 1).all())  # the input is never written
+
+
+@pytest.mark.timeout(90)
+def test_a_different_call_of_the_same_large_size_raises_mismatch() -> None:
+    messages = _mismatches(_spawn(_pair_then_other_shape, 2, timeout_seconds=20), 2)
+    for message in messages:
+        assert "collective #3" in message and "no data of it was used" in message
+        assert f"worker 1: DistributedCommunicator.reduce_packed(SUM of float32[1, {_BIG}])" in (
+            message)
+
+
+def _pair_late(comm: DistributedCommunicator, topology: Topology) -> Any:
+    if topology.worker_index == 1:
+        time.sleep(6)  # alive, but never joins
+        return None
+    start = time.monotonic()
+    with pytest.raises(mirrored.CollectiveTimeoutError, match=r"waited 2 s in .*collective #1"):
+        comm.reduce_packed(ReduceOp.SUM, [[torch.ones(_BIG)]], [topology.devices], 0)
+    return time.monotonic() - start
+
+
+@pytest.mark.timeout(90)
+def test_a_peer_that_never_joins_a_large_sum_times_out() -> None:
+    # unchecked: straight to the point-to-point exchange, whose wait is not polled
+    elapsed, _ = _values(_spawn(_pair_late, 2, timeout_seconds=2, check_calls=False), 2)
+    assert 1.9 <= elapsed < 8.0
+
+
+def _pair_die(comm: DistributedCommunicator, topology: Topology) -> Any:
+    comm.any(True)
+    if topology.worker_index == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        comm.reduce_packed(ReduceOp.SUM, [[torch.ones(_BIG)]], [topology.devices], 0)
+    except WorkerFailureError as error:
+        return (str(error), error.workers, time.monotonic() - start)
+    return None
+
+
+@pytest.mark.timeout(90)
+def test_a_peer_killed_before_a_large_sum_is_named() -> None:
+    got = _spawn(_pair_die, 2, timeout_seconds=60, failure=3.0, check_calls=False)
+    status, value = got[0]
+    assert status == "ok" and value is not None, value
+    message, workers, elapsed = value
+    assert workers == (1,) and message.startswith("worker 1 failed"), message
+    assert elapsed < 3.0 + 5.0

@@ -17,14 +17,20 @@ separate header instead.
 
 from __future__ import annotations
 
+import array
+import ctypes
 import functools
+import struct
 
 import torch
 
-__all__ = ["FIELDS", "decode", "encode", "length"]
+__all__ = ["FIELDS", "decode", "encode", "holds", "length", "write"]
 
 FIELDS = (62, 62, 1)  # identity, predicted next sizes, miss
 _EXACT = {torch.float32: 24, torch.float64: 53, torch.int32: 31, torch.int64: 63}
+# The trailer is written and read as raw bytes (`array` codes of these dtypes): a
+# NumPy view of the buffer alone costs more than the whole encoding.
+_CODES = {torch.float32: "f", torch.float64: "d", torch.int32: "i", torch.int64: "q"}
 
 
 @functools.lru_cache(maxsize=64)
@@ -48,19 +54,87 @@ def length(kind: str, dtype: torch.dtype, workers: int) -> int:
     return 2 * sum(_chunks(b, c) for b in FIELDS)
 
 
-def encode(out: torch.Tensor, kind: str, workers: int, values: tuple[int, ...]) -> None:
-    """Writes the trailer of ``values`` (one per field) into ``out`` (its last elements)."""
-    c = _bits(kind, out.dtype, workers)
+def _pairs(kind: str, value: int, bits: int, c: int) -> list[int]:
     mask = (1 << c) - 1
     row: list[int] = []
-    for bits, value in zip(FIELDS, values, strict=True):
-        for k in range(_chunks(bits, c)):
-            v = (value >> (k * c)) & mask
-            row += (v, v * v) if kind == "sum" else (v, -v)
-    if out.device.type == "cpu" and not out.requires_grad:
-        out.numpy()[:] = row  # exact small integers; 3x faster than torch.tensor(row)
+    for k in range(_chunks(bits, c)):
+        v = (value >> (k * c)) & mask
+        row += (v, v * v) if kind == "sum" else (v, -v)
+    return row
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(kind: str, dtype: torch.dtype, workers: int
+            ) -> tuple[int, range, int, list[bytes], list[bytes]]:
+    """(chunk bits, the identity's chunk shifts, the trailer's length, and for every
+    chunk value ``v`` the bytes of its pair as sent and as combined when every worker
+    sent it): what a call's encoding needs, computed once (float32 SUM: 1024 pairs)."""
+    c = _bits(kind, dtype, workers)
+    k = _chunks(FIELDS[0], c)
+    pair = struct.Struct(f"=2{_CODES[dtype]}")
+    sent, combined = [], []
+    for v in range(1 << min(c, 12)):  # wider chunks (float64, MIN/MAX) are packed per call
+        a, b = (v, v * v) if kind == "sum" else (v, -v)
+        sent.append(pair.pack(a, b))
+        combined.append(pair.pack(workers * a, workers * b) if kind == "sum" else sent[-1])
+    return c, range(0, k * c, c), length(kind, dtype, workers), sent, combined
+
+
+@functools.lru_cache(maxsize=256)
+def _tail(kind: str, dtype: torch.dtype, workers: int, predicted: int, miss: int
+          ) -> tuple[bytes, bytes]:
+    """The bytes of the fields after the identity (a loop repeats them): what this
+    worker sends, and what every worker's sending the same combines to."""
+    c = _bits(kind, dtype, workers)
+    row = _pairs(kind, predicted, FIELDS[1], c) + _pairs(kind, miss, FIELDS[2], c)
+    combined = [workers * v for v in row] if kind == "sum" else row
+    code = _CODES[dtype]
+    return array.array(code, row).tobytes(), array.array(code, combined).tobytes()
+
+
+def write(buffer: torch.Tensor, kind: str, workers: int, values: tuple[int, ...]) -> bytes:
+    """Writes the trailer of ``values`` (one per field) into the last `length`
+    elements of ``buffer``; returns the bytes that the combined trailer holds when
+    every worker wrote the same ``values`` (see `holds`)."""
+    dtype = buffer.dtype
+    c, shifts, n, sent, combined_pairs = _layout(kind, dtype, workers)
+    ident, predicted, miss = values
+    mask = (1 << c) - 1
+    chunks = [(ident >> k) & mask for k in shifts]
+    tail, combined_tail = _tail(kind, dtype, workers, predicted, miss)
+    if c <= 12:
+        head = b"".join([sent[v] for v in chunks])
+        combined = b"".join([combined_pairs[v] for v in chunks])
     else:
-        out.copy_(torch.tensor(row, dtype=out.dtype))
+        row = _pairs(kind, ident, FIELDS[0], c)
+        code = _CODES[dtype]
+        head = array.array(code, row).tobytes()
+        combined = array.array(code, [workers * v for v in row] if kind == "sum" else row
+                               ).tobytes()
+    raw = head + tail  # exact small integers, as raw bytes
+    if buffer.is_cpu and buffer.is_contiguous() and not buffer.requires_grad:
+        ctypes.memmove(buffer.data_ptr() + (buffer.numel() - n) * buffer.element_size(),
+                       raw, len(raw))
+    else:
+        buffer[-n:].copy_(torch.frombuffer(bytearray(raw), dtype=dtype))
+    return combined + combined_tail
+
+
+def holds(buffer: torch.Tensor, expected: bytes) -> bool:
+    """Whether the combined trailer at the end of ``buffer`` is exactly ``expected``
+    (what `write` returned): then every worker sent this worker's values (SUM:
+    ``W·Σv² = (Σv)²`` holds only for equal ``v``; MIN/MAX: ``max v = min v``).
+    ``False`` says nothing more: `decode` tells what differs."""
+    if not (buffer.is_cpu and buffer.is_contiguous()):
+        buffer = buffer.detach().cpu().contiguous()
+    end = buffer.data_ptr() + buffer.numel() * buffer.element_size()
+    return ctypes.string_at(end - len(expected), len(expected)) == expected
+
+
+def encode(out: torch.Tensor, kind: str, workers: int, values: tuple[int, ...]) -> bytes:
+    """Writes the trailer of ``values`` (one per field) into ``out`` (exactly the
+    trailer's elements); returns what `write` returns."""
+    return write(out, kind, workers, values)
 
 
 def decode(combined: torch.Tensor, kind: str, workers: int

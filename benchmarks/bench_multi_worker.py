@@ -310,15 +310,15 @@ def _print_training(r: dict[str, float]) -> None:
         where = (f"{r[f'{key}_buckets#0']:.0f} buckets, {min(hidden):.0%}-{max(hidden):.0%} "
                  "of the early buckets' communication during backward" if hidden else
                  "one bucket: sent at the step, as with overlap=False")
-        main = [r[f"{key}_mirrored_main_us#{i}"] / r[f"{key}_ddp_main_us#{i}"]
-                for i in range(rounds)]
-        print(f"    {name}: main-thread CPU per step, mirrored / DDP: "
-              f"{', '.join(f'{v:.2f}' for v in main)} (robust under load)")
         print(f"(f) {name}, {rounds} rounds (each the median of interleaved epochs): "
               f"default {min(on):.2f}-{max(on):.2f}x DDP "
               f"({', '.join(f'{v:.2f}' for v in on)}); overlap=False "
               f"{min(off):.2f}-{max(off):.2f}x ({', '.join(f'{v:.2f}' for v in off)}); "
               f"{where}")
+        main = [r[f"{key}_mirrored_main_us#{i}"] / r[f"{key}_ddp_main_us#{i}"]
+                for i in range(rounds)]
+        print(f"    main-thread CPU per step, mirrored / DDP: "
+              f"{', '.join(f'{v:.2f}' for v in main)} (holds under load)")
 
 
 if __name__ == "__main__":

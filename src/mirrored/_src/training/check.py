@@ -209,7 +209,7 @@ class GradientWatch:
             return
         grads, versions = self.seen[r]
         now = list(map(_GRAD, self._params[r]))
-        if all(map(is_, now, grads)) and _record(now) == versions or not self.modified(
+        if (all(map(is_, now, grads)) and _record(now) == versions) or not self.modified(
                 r, self._params[r]):  # (the same gradients, unchanged: the common case)
             self.fresh[r] = False
             self.seen[r] = self._none[r]

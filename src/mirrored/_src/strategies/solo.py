@@ -97,7 +97,9 @@ class SoloRun:
             dims = self._planned_mean(key)
             if dims is None:
                 return NOT_TAKEN
-        if not value.is_cpu or not context.may_run_directly(self._strategy_ref()):
+        if not value.is_cpu or (  # (`context.may_run_directly`, inlined)
+                (s := context._state.stack) and (s[-1].strategy is not self._strategy_ref()
+                                                 or s[-1].in_run)):
             return NOT_TAKEN
         return (value.detach() if value.requires_grad else value).mean(dims)
 

@@ -209,8 +209,9 @@ class GradientWatch:
             return
         grads, versions = self.seen[r]
         now = list(map(_GRAD, self._params[r]))
-        if (all(map(is_, now, grads)) and _record(now) == versions) or not self.modified(
-                r, self._params[r]):  # (the same gradients, unchanged: the common case)
+        unchanged = all(map(is_, now, grads)) and (  # the same tensors, at the same versions
+            _record(now) if None in versions else list(map(_VERSION, now))) == versions
+        if unchanged or not self.modified(r, self._params[r]):
             self.fresh[r] = False
             self.seen[r] = self._none[r]
             return

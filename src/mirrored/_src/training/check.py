@@ -16,8 +16,6 @@ post-accumulate-grad hook; an in-place change afterwards (``clip_grad_norm_``,
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from itertools import repeat
-from operator import attrgetter, is_
 from typing import Literal
 
 import torch
@@ -34,16 +32,6 @@ CHECKS: tuple[Check, ...] = ("cheap", "full", "off")
 
 _INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 _BITS = 1 << 24  # integers below 2**24 are exact in float32 (and summed with zeros)
-# The watch's records are built and compared by C iterators (no bytecode per parameter).
-_GRAD, _VERSION, _NONES = attrgetter("grad"), attrgetter("_version"), repeat(None)
-Record = tuple[list[torch.Tensor | None], list[int | None]]  # per parameter: grad, version
-
-
-def _record(grads: list[torch.Tensor | None]) -> list[int | None]:
-    """The version of each gradient in ``grads`` (``None`` for none)."""
-    if any(map(is_, grads, _NONES)):
-        return [None if g is None else g._version for g in grads]
-    return list(map(_VERSION, grads))
 
 
 def slots_per_tensor(check: Check) -> int:
@@ -139,7 +127,8 @@ class GradientWatch:
 
     def __init__(self, params: Sequence[Sequence[nn.Parameter]]) -> None:
         self._params = params
-        self._none: list[Record] = [([None] * len(p), [None] * len(p)) for p in params]
+        self._none: list[list[tuple[torch.Tensor, int] | None]] = [[None] * len(p)
+                                                                   for p in params]
         self.seen = list(self._none)  # per replica: a backward's records, or all None
         # Per replica: seen holds a backward's gradients (public: a hot path reads it).
         self.fresh = [False] * len(params)
@@ -152,19 +141,19 @@ class GradientWatch:
     def _hook(self, r: int) -> Callable[[torch.Tensor], None]:
         # Closures over locals: these run between the kernels of every backward.
         params, seen_all, pending, queued = self._params[r], self.seen, self.fresh, self._queued
+        none = self._none[r]
         # torch's engine runs queued callbacks when this backward pass ends (a private
         # entry point, stable since torch 1.x; DDP's reducer uses it).
         queue = Variable._execution_engine.queue_callback
 
         def snapshot() -> None:
             queued[r] = False
-            grads = list(map(_GRAD, params))
-            if any(map(is_, grads, _NONES)):
-                seen_all[r] = (grads, _record(grads))
-                pending[r] = not all(map(is_, grads, _NONES))
-            else:  # (every parameter has a gradient: the common case, no frame)
-                seen_all[r] = (grads, list(map(_VERSION, grads)))
-                pending[r] = True
+            seen: list[tuple[torch.Tensor, int] | None] = []
+            for p in params:
+                g = p.grad
+                seen.append(None if g is None else (g, g._version))
+            seen_all[r] = seen
+            pending[r] = seen != none
 
         def hook(_: torch.Tensor) -> None:
             if not queued[r]:
@@ -181,10 +170,9 @@ class GradientWatch:
         if not self.fresh[r]:
             return []
         out = []
-        grads, versions = self.seen[r]
-        for k, (p, s, v) in enumerate(zip(params, grads, versions, strict=True)):
+        for k, (p, s) in enumerate(zip(params, self.seen[r], strict=True)):
             g = p.grad
-            if s is not None and g is not None and (g is not s or g._version != v):
+            if s is not None and g is not None and (g is not s[0] or g._version != s[1]):
                 out.append(k)
         return out
 
@@ -207,11 +195,11 @@ class GradientWatch:
         """
         if not self.fresh[r]:
             return
-        grads, versions = self.seen[r]
-        now = list(map(_GRAD, self._params[r]))
-        unchanged = all(map(is_, now, grads)) and (  # the same tensors, at the same versions
-            _record(now) if None in versions else list(map(_VERSION, now))) == versions
-        if unchanged or not self.modified(r, self._params[r]):
+        for p, s in zip(self._params[r], self.seen[r], strict=True):  # (`modified`, inlined)
+            g = p.grad
+            if s is not None and g is not None and (g is not s[0] or g._version != s[1]):
+                break
+        else:
             self.fresh[r] = False
             self.seen[r] = self._none[r]
             return

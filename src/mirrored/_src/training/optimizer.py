@@ -176,7 +176,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step(self, clip_grad_norm: float | None) -> None:
-        ctx = s[-1].replica_context if (s := context._state.stack) and s[-1].in_run else None
+        ctx = context.current_replica_context()  # (replica_of's lookup, inlined)
         r = None if ctx is None else self._known.get(ctx)
         if ctx is None or r is None:
             ctx, r = replica_of(self._strategy, "MirroredOptimizer.step")
@@ -255,7 +255,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
                 all-reduced (no ``step()`` since): each copy would be updated with
                 its own gradients (a manual update) or they would be lost.
         """
-        ctx = s[-1].replica_context if (s := context._state.stack) and s[-1].in_run else None
+        ctx = context.current_replica_context()  # (replica_index's lookup, inlined)
         r = None if ctx is None else self._known.get(ctx)
         if r is None:
             r = replica_index(self._strategy, "MirroredOptimizer.zero_grad", required=False)

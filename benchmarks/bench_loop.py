@@ -5,6 +5,8 @@ loop in plain PyTorch: the overhead per step, as ratios measured in the same run
                                                # thread and torch's default
     python benchmarks/bench_loop.py --quick    # fewer rounds, for a smoke run
     python benchmarks/bench_loop.py --threads 1   # one thread setting only (0: torch's)
+    python benchmarks/bench_loop.py --phases      # where the overhead is: each phase of a
+                                                  # step timed, plain vs the README loop
 
 The mirrored loop is the README's, unchanged and with every option at its default:
 ``MirroredStrategy(["CPU:0"])``, ``strategy.mirror(net)``, ``mirror_optimizer`` (SGD
@@ -40,12 +42,18 @@ How it is measured, so that a 5 % target can be resolved on a shared 2-core mach
 - the process's intra-op threads are set by ``--threads`` (1 is the steadier setting
   on a loaded machine, where OpenMP teams spin against other processes).
 
+``--phases`` times each phase of a step (the dataset's ``next``, ``run``'s entry to the
+step function, forward, loss, ``zero_grad``, backward, ``step``, ``run``'s exit,
+``reduce``) in a plain loop, the README loop and a second plain loop, in the same shuffled
+rounds, and prints each phase's median in µs: the library's cost where it is paid.
+
 Target: ``default`` within 5 % of ``plain`` at batch 64 and 256.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import statistics
 import time
@@ -143,6 +151,102 @@ def run_only_loop(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> Loop:
             yield
 
     return epoch
+
+
+PHASES = ("data", "enter", "forward", "loss", "zero_grad", "backward", "step", "exit",
+          "reduce")
+Phases = list[tuple[int, ...]]  # per step: each phase's ns
+
+
+def plain_phases(batches: list[tuple[torch.Tensor, torch.Tensor]], out: Phases) -> Loop:
+    """The plain loop, each phase of a step timed into ``out`` (``PHASES``)."""
+    model, clock = make_mlp(), time.perf_counter_ns
+    optimizer = sgd(model.parameters())
+
+    def epoch() -> Iterator[None]:
+        steps = iter(batches)
+        while True:
+            t0 = clock()
+            try:
+                x, y = next(steps)
+            except StopIteration:
+                return
+            t1 = t2 = clock()
+            per_example_loss = F.cross_entropy(model(x), y, reduction="none")
+            t3 = clock()
+            loss = per_example_loss.sum() / len(y)
+            t4 = clock()
+            optimizer.zero_grad()
+            t5 = clock()
+            loss.backward()
+            t6 = clock()
+            optimizer.step()
+            t7 = clock()
+            result = per_example_loss.detach()
+            t8 = clock()
+            result.mean()
+            out.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t7 - t6,
+                        t8 - t7, clock() - t8))
+            yield
+
+    return epoch
+
+
+def mirrored_phases(batches: list[tuple[torch.Tensor, torch.Tensor]], out: Phases) -> Loop:
+    """The README loop (default settings), each phase of a step timed into ``out``."""
+    strategy, clock = mirrored.MirroredStrategy(["CPU:0"]), time.perf_counter_ns
+    model = strategy.mirror(make_mlp())
+    optimizer = strategy.mirror_optimizer(model, sgd)
+    t = [0] * 8
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        t[2] = clock()
+        per_example_loss = F.cross_entropy(model(x), y, reduction="none")
+        t[3] = clock()
+        loss = mirrored.compute_average_loss(per_example_loss)
+        t[4] = clock()
+        optimizer.zero_grad()
+        t[5] = clock()
+        loss.backward()
+        t[6] = clock()
+        optimizer.step()
+        t[7] = clock()
+        return per_example_loss.detach()
+
+    def epoch() -> Iterator[None]:
+        steps = iter(strategy.experimental_distribute_dataset(batches))
+        while True:
+            t0 = clock()
+            try:
+                x, y = next(steps)
+            except StopIteration:
+                return
+            t1 = clock()
+            per_example_loss = strategy.run(train_step, args=(x, y))
+            t8 = clock()
+            strategy.reduce("MEAN", per_example_loss, axis=0)
+            out.append((t1 - t0, t[2] - t1, t[3] - t[2], t[4] - t[3], t[5] - t[4],
+                        t[6] - t[5], t[7] - t[6], t8 - t[7], clock() - t8))
+            yield
+
+    return epoch
+
+
+def phases(batch: int, copies: int, epochs: int) -> None:
+    """Prints each phase's median (µs) per loop: plain, the README loop, plain again."""
+    batches = make_batches(batch)
+    found: dict[str, Phases] = {"plain": [], "default": [], "plain again": []}
+    makers = {"plain": plain_phases, "default": mirrored_phases, "plain again": plain_phases}
+    loops: dict[str, Callable[[], Loop]] = {
+        name: functools.partial(makers[name], batches, found[name]) for name in found}
+    rounds(build(loops, copies), epochs * len(batches), len(batches))
+    print(f"batch {batch}: median µs per phase of a step ({copies} copies each)")
+    print(f"  {'':<12}" + "".join(f"{p:>10}" for p in (*PHASES, "sum")))
+    for name, steps in found.items():
+        steps = steps[len(steps) // 4:]  # (the warmup's)
+        cells = [statistics.median(s[k] for s in steps) / 1e3 for k in range(len(PHASES))]
+        total = statistics.median(sum(s) for s in steps) / 1e3
+        print(f"  {name:<12}" + "".join(f"{c:10.1f}" for c in (*cells, total)))
 
 
 def forever(loop: Loop) -> Step:
@@ -264,6 +368,8 @@ def main() -> None:
                         help="copies of each variant (memory placements averaged)")
     parser.add_argument("--rounds", type=int, default=0,
                         help="rounds (one step of every copy each); 0: about 40 epochs")
+    parser.add_argument("--phases", action="store_true",
+                        help="time each phase of a step instead (plain vs the README loop)")
     parser.add_argument("--variants", nargs="*", default=None,
                         help="measure only these variants (plain and default always)")
     args = parser.parse_args()
@@ -274,6 +380,9 @@ def main() -> None:
         torch.set_num_threads(threads or default_threads)
         print(f"--- {torch.get_num_threads()} intra-op threads")
         for batch in args.batches:
+            if args.phases:
+                phases(batch, args.copies, 4 if args.quick else 20)
+                continue
             batches = make_batches(batch)
             variants = all_variants(batches)
             if args.variants is not None:

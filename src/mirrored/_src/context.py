@@ -129,10 +129,8 @@ class Scope:
 
 def enter_scope(strategy: StrategyLike) -> Scope:
     """Makes ``strategy`` current for this thread (what ``strategy.scope()`` returns).
-
-    Entering any strategy inside the default strategy's scope is allowed (as in TF);
-    entering a different strategy inside another one's scope is not.
-    """
+    Entering it inside the default strategy's scope is allowed (as in TF), inside another
+    strategy's scope not."""
     return Scope(strategy)
 
 
@@ -209,9 +207,8 @@ def idle() -> bool:
 
 
 def may_run_directly(strategy: Strategy) -> bool:
-    """Whether ``strategy.run`` may start here with nothing to refuse or nest: this
-    thread is outside every scope and ``run``, or in ``strategy``'s own scope (the
-    one-replica fast path; anything else takes the checked path)."""
+    """Whether ``strategy.run`` may start here with nothing to refuse or nest: outside
+    every scope and ``run``, or in ``strategy``'s own scope (the one-replica fast path)."""
     stack = _state.stack
     if not stack:
         return True
@@ -220,20 +217,26 @@ def may_run_directly(strategy: Strategy) -> bool:
 
 
 def call_in_run(strategy: Strategy, replica_context: ReplicaContext,
-                fn: Callable[..., Any], args: Any) -> Any:
-    """``fn(*args)`` as the one replica of a ``run`` of ``strategy`` on this thread: the
-    run marked in flight (`run_started`) and this thread in ``replica_context``, in one
-    frame (the one-replica ``run``; the caller checked `may_run_directly`)."""
+                fn: Callable[..., Any], args: Any, refused: Any) -> Any:
+    """``fn(*args)`` as the one replica of a ``run`` of ``strategy`` on this thread, in one
+    frame (the one-replica ``run``): ``refused`` unless `may_run_directly`; else the run
+    marked in flight (`run_started`) and this thread in ``replica_context``."""
+    stack = _state.stack
+    if stack and ((top := stack[-1]).strategy is not strategy or top.in_run):
+        return refused
     key = id(strategy)
     with _in_flight_lock:
         _in_flight[key] = _in_flight.get(key, 0) + 1
-    stack = _state.stack
     stack.append(_new_frame(_Frame, (strategy, replica_context, False, True)))  # in_run
     try:
         return fn(*args)
     finally:
         stack.pop()
-        run_finished(key)
+        with _in_flight_lock:  # (`run_finished`, inlined)
+            if left := _in_flight[key] - 1:
+                _in_flight[key] = left
+            else:
+                del _in_flight[key]
 
 
 @contextmanager
@@ -353,8 +356,7 @@ _in_flight_lock = threading.Lock()
 
 
 def run_started(strategy: StrategyLike) -> int:
-    """Marks a ``run`` of ``strategy`` as in flight (process-wide); returns the key to
-    pass to `run_finished`."""
+    """Marks a ``run`` of ``strategy`` in flight (process-wide); returns `run_finished`'s key."""
     key = id(strategy)
     with _in_flight_lock:
         _in_flight[key] = _in_flight.get(key, 0) + 1
@@ -364,8 +366,7 @@ def run_started(strategy: StrategyLike) -> int:
 def run_finished(key: int) -> None:
     """The run marked by `run_started` ended."""
     with _in_flight_lock:
-        left = _in_flight[key] - 1
-        if left:
+        if left := _in_flight[key] - 1:
             _in_flight[key] = left
         else:
             del _in_flight[key]

@@ -40,7 +40,8 @@ def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = 
         >>> strategy.reduce("SUM", per_replica)
         tensor(3.)
     """
-    replica = context.current_replica_context()  # inside run (the hot path): one call
+    # inside run (the hot path): current_replica_context, inlined
+    replica = s[-1].replica_context if (s := context._state.stack) and s[-1].in_run else None
     in_run = replica is not None
     if replica is None:
         replica = context.get_replica_context()  # a merge_fn, a scope or the default's

@@ -124,7 +124,7 @@ class DistributedIterator:
         return self
 
     def __next__(self) -> Any:
-        if context.current_replica_context() is not None:
+        if (s := context._state.stack) and s[-1].in_run and s[-1].replica_context is not None:
             raise ValueError(
                 "next() of a distributed iterator was called inside strategy.run (replica "
                 "context), where every replica would take a step of its own; take the step "

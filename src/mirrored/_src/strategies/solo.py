@@ -45,6 +45,7 @@ __all__ = ["NOT_TAKEN", "SoloRun", "solo_run"]
 NOT_TAKEN: Final = object()  # the call goes the general way
 
 _PLAIN_LEAVES = frozenset({torch.Tensor, int, float, bool, str, type(None)})
+_is_plain = _PLAIN_LEAVES.__contains__
 _SUM_IS_MEAN = frozenset({torch.float32, torch.float64})  # torch's CPU mean: sum / count
 _function_modes = torch._C._len_torch_function_stack
 _thread_profiled = torch._C._autograd._profiler_enabled
@@ -74,14 +75,11 @@ class SoloRun:
         if (kwargs or type(args) is not tuple or _function_modes() or _thread_profiled()
                 or getattr(_profiler, "_is_profiler_enabled", False)):
             return NOT_TAKEN
-        for leaf in args:
-            if type(leaf) not in _PLAIN_LEAVES:
-                return NOT_TAKEN
-        strategy = self._strategy_ref()
-        if not context.may_run_directly(strategy):
+        if not all(map(_is_plain, map(type, args))):  # (no bytecode per argument)
             return NOT_TAKEN
-        try:
-            return context.call_in_run(strategy, self._context, fn, args)
+        try:  # (`may_run_directly` checked in call_in_run: one frame fewer)
+            return context.call_in_run(self._strategy_ref(), self._context, fn, args,
+                                       NOT_TAKEN)
         except Exception as error:
             if self._note is not None:
                 error.__notes__ = [*getattr(error, "__notes__", []), self._note]  # add_note
@@ -99,7 +97,9 @@ class SoloRun:
             dims = self._planned_mean(key)
             if dims is None:
                 return NOT_TAKEN
-        if not value.is_cpu or not context.may_run_directly(self._strategy_ref()):
+        if not value.is_cpu or (  # (`context.may_run_directly`, inlined)
+                (s := context._state.stack) and (s[-1].strategy is not self._strategy_ref()
+                                                 or s[-1].in_run)):
             return NOT_TAKEN
         return (value.detach() if value.requires_grad else value).mean(dims)
 

@@ -160,8 +160,8 @@ class MirroredModule(CopiesModule):
                                "strategy.run, not from a replica")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Calls the current copy (see `module`)."""
-        ctx = context.current_replica_context()
+        """Calls the current copy (see `module`; the replica lookup inlined: a hot path)."""
+        ctx = s[-1].replica_context if (s := context._state.stack) and s[-1].in_run else None
         index = self._known.get(ctx) if ctx is not None else None
         if index is None:
             index = self._index() or 0

@@ -121,12 +121,6 @@ class CallLedger:
         self.predicted: Wire | None = None  # this worker's guess for the next call
         self._next: dict[str, Wire] = {}  # call key -> wire sizes of the call after it
         self._last: str | None = None
-        self._tags = 0  # point-to-point messages so far (every worker sends the same)
-
-    def next_tag(self) -> int:
-        """The tag of the next point-to-point exchange (the same on every worker)."""
-        self._tags = (self._tags + 1) % (1 << 30)
-        return self._tags
 
     def next_phase(self) -> None:
         """A ``run`` starts or ends."""

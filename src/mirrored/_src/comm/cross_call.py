@@ -14,19 +14,14 @@ import torch.distributed as dist
 from ..devices import Device
 from ..topology import Topology
 from . import trailer
-from .buffers import default_pool
 from .call_identity import CallLedger, JobLink, Wire, identity_hash, user_call
-from .watch import CallWatch, P2PWork, short
+from .watch import CallWatch, short
 
-__all__ = ["GATHER", "HEAD", "PAIR_SUM", "CrossWorkerCalls", "PairExchange", "PendingCall"]
+__all__ = ["GATHER", "HEAD", "CrossWorkerCalls", "PendingCall"]
 
 _DIST_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 HEAD = 5  # identity, prediction, miss, flag, value; then one size per local replica
 GATHER: Wire = (("gather", "", 0),)  # sizes known only from the header
-# A large SUM between 2 workers, out of place: each worker adds one half of the
-# result and sends it to the other (`PairExchange`), so the input needs no copy
-# into the result first. Its call is checked by the header.
-PAIR_SUM = "pair-sum"
 
 
 class CrossWorkerCalls:
@@ -51,19 +46,16 @@ class CrossWorkerCalls:
         self._lengths: dict[tuple[str, str, int], int] = {}
         self._keys: dict[tuple[Any, ...], str] = {}
         self._direct = _direct_all_reduce(group)
-        self._pair = PairExchange(group, topology.worker_index, ledger)
 
     def call(self, what: str, wire: Wire, data: list[torch.Tensor], *, flag: int = 0,
              value: int = 0, sizes: Sequence[int] = (),
-             fill: Callable[[int], None] | None = None,
-             outputs: Sequence[torch.Tensor] = ()) -> list[list[int]]:
+             fill: Callable[[int], None] | None = None) -> list[list[int]]:
         """One checked cross-worker call (see the module's docstring): launches
         ``data``'s collectives (kinds and sizes in ``wire``) with the header and returns
         the header table (one row per worker) once every identity agrees. ``fill(i)``,
         when given, writes ``data[i]``'s payload right before its collective is
         launched (so copying the next buffer overlaps the previous one's transfer); it
-        never touches a trailer. A ``PAIR_SUM`` entry reads ``data[i]`` and writes the
-        sum into ``outputs[i]`` (see `PairExchange`)."""
+        never touches a trailer."""
         ledger = self._ledger
         if ledger.broken is not None:
             raise RuntimeError(f"this strategy's cross-worker communication is unusable after "
@@ -87,7 +79,7 @@ class CrossWorkerCalls:
         predicted = self._wire_hash(prediction) if check and prediction else 0
         agreed, ledger.agreed = ledger.agreed, None
         if not check and wire and wire != GATHER:
-            self._move(wire, data, fill, outputs, seq, text)  # unchecked: data only
+            self.watch.wait(self._launch(wire, data, fill), seq, text)  # unchecked: data only
             self._done(seq)
             return []
         row = [ident, predicted, 0, flag, value, *sizes]
@@ -114,12 +106,9 @@ class CrossWorkerCalls:
                         self._done(seq)
                         return []
                 else:
-                    table = self._round(row, self._launch(wire, data, fill, outputs), seq,
-                                        text)
+                    table = self._round(row, self._launch(wire, data, fill), seq, text)
                     if not any(r[2] for r in table):
-                        self._verified(table, seq, text)  # (raises unless all agree)
-                        self._pair_finish(seq, text)
-                        return table
+                        return self._verified(table, seq, text)
             else:  # zeros of the agreed sizes, so that every worker sends what it expects
                 dummy = [torch.zeros(n, dtype=getattr(torch, d.removeprefix("torch.")),
                                      device=self._wire.torch_device) for _, d, n in agreed]
@@ -132,14 +121,8 @@ class CrossWorkerCalls:
                                 text)
         table = self._verified(self._round(row, [], seq, text), seq, text)
         if wire != GATHER and data:  # (refilled: a miss above may have reduced them)
-            self._move(wire, data, fill, outputs, seq, text)
+            self.watch.wait(self._launch(wire, data, fill), seq, text)
         return table
-
-    def _move(self, wire: Wire, data: list[torch.Tensor], fill: Callable[[int], None] | None,
-              outputs: Sequence[torch.Tensor], seq: int, text: str) -> None:
-        """Moves a call's data once its sizes and identity are settled."""
-        self.watch.wait(self._launch(wire, data, fill, outputs), seq, text)
-        self._pair_finish(seq, text)
 
     def launch(self, what: str, wire: Wire, data: list[torch.Tensor]) -> PendingCall:
         """Starts one checked call whose sizes are known to match the peers' (a
@@ -215,16 +198,12 @@ class CrossWorkerCalls:
             self._job.note_progress(seq, seq)
 
     def _launch(self, wire: Wire, data: Sequence[torch.Tensor],
-                fill: Callable[[int], None] | None = None,
-                outputs: Sequence[torch.Tensor] = ()) -> list[Any]:
+                fill: Callable[[int], None] | None = None) -> list[Any]:
         works: list[Any] = []
-        self._pair.pending = []
         for i, ((kind, _, _), buffer) in enumerate(zip(wire, data, strict=True)):
             if fill is not None:
                 fill(i)
-            if kind == PAIR_SUM:
-                works += self._pair.start(buffer, outputs[i] if outputs else None)
-            elif kind == "broadcast":
+            if kind == "broadcast":
                 works.append(dist.broadcast(buffer, src=0, group=self._group, async_op=True))
             elif self._direct is not None and not buffer.is_complex():
                 # What dist.all_reduce does for a dense tensor outside a coalescing
@@ -234,11 +213,6 @@ class CrossWorkerCalls:
                 works.append(dist.all_reduce(buffer, op=_DIST_OPS[kind], group=self._group,
                                              async_op=True))
         return works
-
-    def _pair_finish(self, seq: int, text: str) -> None:
-        works = self._pair.finish()
-        if works:
-            self.watch.wait(works, seq, text)
 
     def _round(self, row: list[int], works: list[Any], seq: int, text: str
                ) -> list[list[int]]:
@@ -275,51 +249,6 @@ def _direct_all_reduce(group: Any) -> tuple[Any, dict[str, Any]] | None:
     except (AttributeError, RuntimeError):
         return None
     return (pg, options) if hasattr(pg, "allreduce") else None
-
-
-class PairExchange:
-    """A `PAIR_SUM` between 2 workers (``rank``: this one): `start` sends the peer the
-    half of the input that the peer sums and receives the peer's part of this
-    worker's half; once the call's identity agreed, `finish` adds this worker's
-    half of the result (``input + received``: bitwise what Gloo's 2-worker
-    all-reduce adds) into the output and swaps the halves. Nothing received is used
-    before `finish`, which a call whose identity differs never reaches.
-
-    Example:
-        >>> PairExchange(None, 0, CallLedger()).finish()
-        []
-    """
-
-    def __init__(self, group: Any, rank: int, ledger: CallLedger) -> None:
-        self._group, self._rank, self._ledger = group, rank, ledger
-        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, slice, slice]] = []
-
-    def start(self, source: torch.Tensor, out: torch.Tensor | None) -> list[Any]:
-        """The first exchange (``out=None``: zeros sent on a miss, never finished)."""
-        n, peer = source.numel(), 1 - self._rank
-        half = n // 2
-        mine, other = (slice(0, half), slice(half, n)) if self._rank == 0 else (
-            slice(half, n), slice(0, half))
-        received = default_pool().empty((mine.stop - mine.start,), source.dtype,
-                                         source.device)
-        tag = self._ledger.next_tag()
-        works = [P2PWork(dist.isend(source[other], peer, group=self._group, tag=tag)),
-                 P2PWork(dist.irecv(received, peer, group=self._group, tag=tag))]
-        if out is not None:
-            self.pending.append((source, out, received, mine, other))
-        return works
-
-    def finish(self) -> list[Any]:
-        """This worker's half of each started sum, and the swap of the halves: the
-        works to wait for."""
-        pending, self.pending = self.pending, []
-        peer, works = 1 - self._rank, []
-        for source, out, received, mine, other in pending:
-            torch.add(source[mine], received, out=out[mine])
-            tag = self._ledger.next_tag()
-            works += [P2PWork(dist.isend(out[mine], peer, group=self._group, tag=tag)),
-                      P2PWork(dist.irecv(out[other], peer, group=self._group, tag=tag))]
-        return works
 
 
 class PendingCall:

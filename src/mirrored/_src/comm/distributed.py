@@ -38,7 +38,7 @@ from ..topology import Topology
 from . import packing, trailer
 from .buffers import default_pool
 from .call_identity import CallLedger, JobLink
-from .cross_call import GATHER, HEAD, PAIR_SUM, CrossWorkerCalls, PendingCall
+from .cross_call import GATHER, HEAD, CrossWorkerCalls, PendingCall
 from .cross_device_ops import CrossDeviceOps
 from .host import concat
 from .watch import CallWatch
@@ -54,10 +54,6 @@ _HOST = Device("CPU", 0)
 # stays one collective.
 CHUNKS = 4
 CHUNK_MIN_BYTES = 4 << 20
-# A SUM of one value of CHUNK_MIN_BYTES or more between 2 workers travels as a
-# `PAIR_SUM` (out of place, no copy first): dtypes whose sum torch.add makes bitwise
-# as Gloo does.
-_PAIR_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64)
 
 
 class DistributedCommunicator:
@@ -152,10 +148,6 @@ class DistributedCommunicator:
             self._plans[key] = known
         packs, what, sizes, wire = known
         kind = reduce_op.name.lower()
-        if len(packs) == 1 and kind == "sum" and self._topology.num_workers == 2:
-            paired = self._pair_sum(per_replica, what, destinations[packs[0][0]])
-            if paired is not None:
-                return [paired]
         views, data, fills = [], [], []
         for members, (n, dtype, extra, exact) in zip(packs, sizes, strict=True):
             leaves = [first[m] for m in members]
@@ -188,29 +180,6 @@ class DistributedCommunicator:
                 for m, part in zip(members, parts, strict=True):
                     out[m].append(part)
         return out
-
-    def _pair_sum(self, per_replica: Sequence[Sequence[torch.Tensor]], what: str,
-                  destinations: tuple[Device, ...]) -> list[torch.Tensor] | None:
-        """A large one-value SUM between 2 workers on Gloo as a `PAIR_SUM` (``None``: not one):
-        the input is read in place and each worker adds one half of the result, so
-        the only copy is the sum itself (a copy into the result, then an in-place
-        all-reduce, cost 1.25-1.36x a raw all-reduce; this 0.95x)."""
-        first = per_replica[0]
-        if len(first) != 1:
-            return None
-        t = first[0]
-        if (t.dtype not in _PAIR_DTYPES or t.numel() * t.element_size() < CHUNK_MIN_BYTES
-                or t.device.type != "cpu" or self._wire.kind != "CPU" or t.requires_grad):
-            return None
-        if len(per_replica) > 1:  # the local sum in replica order (a new tensor)
-            source = self._local.reduce_to_devices(
-                ReduceOp.SUM, [r[0].reshape(-1) for r in per_replica], (self._wire,))[0]
-        else:
-            source = t.reshape(-1)
-        n = source.numel()
-        buffer = default_pool().empty((n,), t.dtype, self._wire.torch_device)
-        self._calls.call(what, ((PAIR_SUM, str(t.dtype), n),), [source], outputs=[buffer])
-        return self._copies(buffer.view(t.shape), destinations)
 
     def gather(self, per_replica: Sequence[torch.Tensor], dim: int,
                destinations: tuple[Device, ...]) -> tuple[list[torch.Tensor], list[int]]:

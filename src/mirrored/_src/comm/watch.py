@@ -13,22 +13,12 @@ from typing import Any, NoReturn
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, WorkerFailureError
 from .call_identity import CallLedger, JobLink
 
-__all__ = ["CallWatch", "P2PWork", "short"]
+__all__ = ["CallWatch", "short"]
 
 
 def short(text: str, limit: int = 160) -> str:
     """``text``, cut to ``limit`` characters for a message."""
     return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-class P2PWork:
-    """A point-to-point send or receive: Gloo closes the connection when a wait of
-    one times out, so it is waited for once, up to the call's deadline (not polled)."""
-
-    __slots__ = ("work",)
-
-    def __init__(self, work: Any) -> None:
-        self.work = work
 
 
 class CallWatch:
@@ -52,9 +42,6 @@ class CallWatch:
         deadline = None if self._timeout is None else start + self._timeout
         poll = self._job.poll_interval if self._job is not None else 1.0
         for work in works:
-            if isinstance(work, P2PWork):
-                self._wait_once(work.work, start, deadline, seq, text)
-                continue
             while True:
                 now = time.monotonic()
                 left = poll if deadline is None else min(poll, deadline - now)
@@ -72,20 +59,6 @@ class CallWatch:
                         f"worker {self._me} waited {self._timeout:g} s in "
                         f"{text} (collective #{seq}) for peers that never joined"
                         f"{self._progress_text()}"))
-
-    def _wait_once(self, work: Any, start: float, deadline: float | None, seq: int,
-                   text: str) -> None:
-        try:
-            if deadline is None:
-                work.wait()
-            else:
-                work.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
-        except RuntimeError as error:
-            if deadline is not None and time.monotonic() >= deadline - 0.05:
-                self.fail(CollectiveTimeoutError(
-                    f"worker {self._me} waited {self._timeout:g} s in {text} (collective "
-                    f"#{seq}) for peers that never joined{self._progress_text()}"), error)
-            self._broken_link(error, seq, text, time.monotonic() - start)
 
     def _broken_link(self, error: RuntimeError, seq: int, text: str, waited: float
                      ) -> NoReturn:

@@ -85,7 +85,6 @@ class SoloRun:
                 error.__notes__ = [*getattr(error, "__notes__", []), self._note]  # add_note
             raise
 
-
     def reduce(self, reduce_op: Any, value: Any, axis: Any) -> Any:
         """``strategy.reduce(reduce_op, value, axis)`` as ``value.mean(axis)``, or
         `NOT_TAKEN`."""

@@ -325,11 +325,11 @@ def mirror_optimizer(strategy: Strategy, mirrored_module: MirroredModule,
             step: ``"average"`` (the default: floating-point buffers averaged over
             the replicas, others taken from replica 0), ``"broadcast"`` (all taken
             from replica 0, as DDP's ``broadcast_buffers``) or ``"off"``.
-        overlap: all-reduce the gradients in buckets of 4 MiB launched as backward
+        overlap: all-reduce the gradients in buckets of 25 MiB launched as backward
             produces them, so that the communication runs while backward goes on
             (as DDP's reducer); the last bucket rides in the step's all-reduce.
             ``None`` (the default): on across workers
-            (`MultiWorkerMirroredStrategy`; a model under 4 MiB of gradients is one
+            (`MultiWorkerMirroredStrategy`; a model under 25 MiB of gradients is one
             bucket, sent as without overlap), off between the replicas of one
             process (the sum is made by a replica thread: nothing to hide).
             ``True`` or ``False`` forces it. The parameters are bitwise the same

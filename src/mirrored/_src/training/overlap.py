@@ -43,8 +43,8 @@ __all__ = ["DEFAULT_BUCKET_BYTES", "GradientBuckets", "Pending", "bucket_plan", 
 # Each bucket is one more round trip, paid in CPU even when hidden: a model with fewer
 # gradient bytes than this is one bucket, which the reducer sends as without overlap
 # (the last bucket always rides in the step's all-reduce). DDP's bucket size (its
-# ``bucket_cap_mb=25``): 4 MiB buckets made a 12.6 MiB model 0.88-0.95x DDP against
-# 1.04-1.16x in one bucket on a quiet 2-worker machine. See docs/design.md.
+# ``bucket_cap_mb=25``): 4 MiB buckets made a 12.6 MiB model 0.88-1.00x DDP against
+# 1.05-1.21x in one bucket on a quiet 2-worker machine. See docs/design.md.
 DEFAULT_BUCKET_BYTES = 25 << 20
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import importlib.util
 import statistics
 import subprocess
@@ -81,16 +82,19 @@ def bench_run(replicas: list[int], inner: int) -> None:
         print(line)
 
 
+def _scalar_all_reduce(t: torch.Tensor) -> torch.Tensor:
+    """A replica's SUM of ``t`` (the step of ``run`` + ``all_reduce``)."""
+    ctx = mirrored.get_replica_context()
+    assert ctx is not None
+    return ctx.all_reduce("SUM", t)
+
+
 def bench_small_steps(rounds: int) -> None:
     print("\n(a2) 2 replicas: run of small steps, interleaved (p50 of short samples)")
     strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
     t = torch.ones(())
 
-    def scalar_all_reduce() -> torch.Tensor:
-        ctx = mirrored.get_replica_context()
-        assert ctx is not None
-        return ctx.all_reduce("SUM", t)
-
+    scalar_all_reduce = functools.partial(_scalar_all_reduce, t)
     fns: dict[str, Callable[[], object]] = {
         "t + 0 direct": lambda: t + 0,
         "run no-op": lambda: strategy.run(lambda: None),
@@ -218,10 +222,7 @@ def count_bytecodes(runs: int = 200) -> None:
         strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
         t = torch.ones(())
 
-        def scalar_all_reduce() -> torch.Tensor:
-            ctx = mirrored.get_replica_context()
-            assert ctx is not None
-            return ctx.all_reduce("SUM", t)
+        scalar_all_reduce = functools.partial(_scalar_all_reduce, t)
 
         print("\n(a3) 2 replicas: Python bytecodes (and calls) per run, every thread")
         for name, fn in [("run no-op", lambda: None), ("run t + 0", lambda: t + 0),

@@ -381,7 +381,7 @@ def test_a_large_float_sum_is_bitwise_the_raw_collectives_sum(world: int) -> Non
 # ------------------------------------------------ a large SUM between 2 workers
 
 
-def _pair_inputs(rank: int) -> list[torch.Tensor]:
+def _large_inputs(rank: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(10 + rank)
     n = (4 << 20) // 4 + 7  # odd: the halves differ in size
     return [torch.randn(n, 1, generator=g), torch.randn(n, generator=g).double(),
@@ -389,9 +389,9 @@ def _pair_inputs(rank: int) -> list[torch.Tensor]:
             torch.randn(3, n // 3, generator=g).t()]  # not contiguous
 
 
-def _pair_calls(comm: DistributedCommunicator, topology: Topology) -> list[bool]:
+def _large_calls(comm: DistributedCommunicator, topology: Topology) -> list[bool]:
     same = []
-    for x in _pair_inputs(topology.worker_index):
+    for x in _large_inputs(topology.worker_index):
         before = x.clone()
         raw = x.clone()
         torch.distributed.all_reduce(raw)
@@ -405,11 +405,11 @@ def _pair_calls(comm: DistributedCommunicator, topology: Topology) -> list[bool]
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("check", [True, False])
 def test_a_large_sum_between_two_workers_is_bitwise_the_raw_all_reduce(check: bool) -> None:
-    for values in _values(_spawn(_pair_calls, 2, hard_timeout=100, check_calls=check), 2):
+    for values in _values(_spawn(_large_calls, 2, hard_timeout=100, check_calls=check), 2):
         assert values == [True] * len(values)
 
 
-def _pair_then_other_shape(comm: DistributedCommunicator, topology: Topology) -> Any:
+def _large_then_other_shape(comm: DistributedCommunicator, topology: Topology) -> Any:
     x = torch.ones(_BIG)
     for _ in range(2):  # the workers agree on the next call's sizes
         comm.reduce_packed(ReduceOp.SUM, [[x]], [topology.devices], 0)
@@ -422,14 +422,14 @@ def _pair_then_other_shape(comm: DistributedCommunicator, topology: Topology) ->
 
 @pytest.mark.timeout(90)
 def test_a_different_call_of_the_same_large_size_raises_mismatch() -> None:
-    messages = _mismatches(_spawn(_pair_then_other_shape, 2, timeout_seconds=20), 2)
+    messages = _mismatches(_spawn(_large_then_other_shape, 2, timeout_seconds=20), 2)
     for message in messages:
         assert "collective #3" in message and "no data of it was used" in message
         assert f"worker 1: DistributedCommunicator.reduce_packed(SUM of float32[1, {_BIG}])" in (
             message)
 
 
-def _pair_late(comm: DistributedCommunicator, topology: Topology) -> Any:
+def _large_late(comm: DistributedCommunicator, topology: Topology) -> Any:
     if topology.worker_index == 1:
         time.sleep(6)  # alive, but never joins
         return None
@@ -442,11 +442,11 @@ def _pair_late(comm: DistributedCommunicator, topology: Topology) -> Any:
 @pytest.mark.timeout(90)
 def test_a_peer_that_never_joins_a_large_sum_times_out() -> None:
     # unchecked: straight to the data's collectives
-    elapsed, _ = _values(_spawn(_pair_late, 2, timeout_seconds=2, check_calls=False), 2)
+    elapsed, _ = _values(_spawn(_large_late, 2, timeout_seconds=2, check_calls=False), 2)
     assert 1.9 <= elapsed < 8.0
 
 
-def _pair_die(comm: DistributedCommunicator, topology: Topology) -> Any:
+def _large_die(comm: DistributedCommunicator, topology: Topology) -> Any:
     comm.any(True)
     if topology.worker_index == 1:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -460,7 +460,7 @@ def _pair_die(comm: DistributedCommunicator, topology: Topology) -> Any:
 
 @pytest.mark.timeout(90)
 def test_a_peer_killed_before_a_large_sum_is_named() -> None:
-    got = _spawn(_pair_die, 2, timeout_seconds=60, failure=3.0, check_calls=False)
+    got = _spawn(_large_die, 2, timeout_seconds=60, failure=3.0, check_calls=False)
     status, value = got[0]
     assert status == "ok" and value is not None, value
     message, workers, elapsed = value

@@ -252,3 +252,22 @@ def test_a_device_mode_of_the_caller_is_not_the_plain_case(two):
         assert torch.ones(1).device.type == "meta"
     assert [v.device.type for v in out.values] == ["cpu", "cpu"]
     assert [v.item() for v in out.values] == [1.0, 2.0]
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_no_grad_and_inference_mode_take_the_fast_path_without_autograd(two, monkeypatch,
+                                                                          mode):
+    values = [component(i, torch.float32, (5,)).requires_grad_() for i in range(2)]
+    two.run(lambda: mirrored.get_replica_context().all_reduce("MEAN", values[rid()].detach()))
+    spy = Spy(monkeypatch)
+
+    def step():
+        with mode():
+            return mirrored.get_replica_context().all_reduce("MEAN", values[rid()])
+
+    got = two.experimental_local_results(two.run(step))
+    expected = todays_result(ReduceOp.MEAN, [v.detach() for v in values])
+    assert spy.calls == 0  # nothing to differentiate: the fast path
+    for g, e in zip(got, expected, strict=True):
+        assert torch.equal(g, e) and not g.requires_grad
+        assert g.is_inference() == (mode is torch.inference_mode)

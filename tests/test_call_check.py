@@ -23,7 +23,7 @@ def _combined(kind: str, dtype: torch.dtype, rows: list[tuple[int, int, int]]) -
     parts = []
     for values in rows:
         out = torch.zeros(n, dtype=dtype)
-        trailer.encode(out, kind, len(rows), values)
+        trailer.write(out, kind, len(rows), values)
         parts.append(out)
     return functools.reduce(_COMBINE[kind], parts)
 
@@ -82,33 +82,43 @@ def test_sum_chunks_stay_exact_in_float32(workers):
 @given(kind=st.sampled_from(["sum", "max", "min"]),
        dtype=st.sampled_from([torch.float32, torch.float64, torch.int32, torch.int64]),
        workers=st.integers(min_value=2, max_value=16), ident=_HASH, other=_HASH,
-       odd=st.integers(min_value=0, max_value=15), predicted=_HASH)
+       odd=st.integers(min_value=0, max_value=15), predicted=_HASH,
+       field=st.sampled_from([0, 1, 2]))
 def test_the_combined_trailer_holds_the_expected_bytes_only_when_every_worker_agrees(
-        kind, dtype, workers, ident, other, odd, predicted):
+        kind, dtype, workers, ident, other, odd, predicted, field):
     n = trailer.length(kind, dtype, workers)
     rows = [(ident, predicted, 0)] * workers
-    if other != ident:
-        rows[odd % workers] = (other, predicted, 0)
+    odd_row = list(rows[0])
+    odd_row[field] = 1 if field == 2 else other  # one worker's identity, prediction or miss
+    rows[odd % workers] = tuple(odd_row)
+    differs = rows[odd % workers] != rows[0] or rows[-1] != rows[0]
     parts, expected = [], b""
     for values in rows:
         buffer = torch.full((5 + n,), 7, dtype=dtype)  # data, then the trailer at its end
         expected = trailer.write(buffer, kind, workers, values)
         assert bool((buffer[:5] == 7).all())  # the data is untouched
-        assert torch.equal(buffer[5:], torch.zeros(n, dtype=dtype) + _encoded(
-            kind, dtype, workers, values))
+        assert torch.equal(buffer[5:], _reference(kind, dtype, workers, values))
         parts.append(buffer)
     combined = functools.reduce(_COMBINE[kind], parts)
-    # the last worker's expectation: met exactly when every worker sent its values
-    assert trailer.holds(combined, expected) == (other == ident)
-    (same, _, _), ok = trailer.decode(combined[5:], kind, workers)
-    assert ok == (other == ident) and (same == ident or other != ident)
+    # each worker's expectation is met exactly when every worker sent the same values
+    assert trailer.holds(combined, expected) == (not differs)
+    fields, ok = trailer.decode(combined[5:], kind, workers)
+    assert ok == (not differs)
+    assert not ok or fields == rows[0]
 
 
-def _encoded(kind: str, dtype: torch.dtype, workers: int, values: tuple[int, int, int]
-             ) -> torch.Tensor:
-    out = torch.zeros(trailer.length(kind, dtype, workers), dtype=dtype)
-    trailer.encode(out, kind, workers, values)
-    return out
+def _reference(kind: str, dtype: torch.dtype, workers: int, values: tuple[int, int, int]
+               ) -> torch.Tensor:
+    """The trailer as the format defines it, written independently of `trailer.write`:
+    each field cut into chunks of ``c`` bits, each chunk ``v`` as ``(v, v*v)`` (SUM) or
+    ``(v, -v)`` (MIN, MAX)."""
+    c = trailer._bits(kind, dtype, workers)
+    row: list[int] = []
+    for bits, value in zip(trailer.FIELDS, values, strict=True):
+        for k in range(-(-bits // c)):
+            v = (value >> (k * c)) & ((1 << c) - 1)
+            row += (v, v * v) if kind == "sum" else (v, -v)
+    return torch.tensor(row, dtype=dtype)
 
 
 def test_a_trailer_on_a_view_that_is_not_contiguous_is_written_and_read():
@@ -116,5 +126,5 @@ def test_a_trailer_on_a_view_that_is_not_contiguous_is_written_and_read():
     column = base.t()[:, 0]  # stride 40: written through torch, not raw bytes
     n = trailer.length("sum", torch.float32, 2)
     expected = trailer.write(column, "sum", 2, (12345, 678, 0))
-    assert torch.equal(column[-n:], _encoded("sum", torch.float32, 2, (12345, 678, 0)))
+    assert torch.equal(column[-n:], _reference("sum", torch.float32, 2, (12345, 678, 0)))
     assert trailer.holds(column * 2, expected) and not trailer.holds(column, expected)

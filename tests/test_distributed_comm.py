@@ -383,7 +383,7 @@ def test_a_large_float_sum_is_bitwise_the_raw_collectives_sum(world: int) -> Non
 
 def _large_inputs(rank: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(10 + rank)
-    n = (4 << 20) // 4 + 7  # odd: the halves differ in size
+    n = (4 << 20) // 4 + 7  # odd: the chunks differ in size
     return [torch.randn(n, 1, generator=g), torch.randn(n, generator=g).double(),
             torch.randint(-2**40, 2**40, (n,), generator=g),
             torch.randn(3, n // 3, generator=g).t()]  # not contiguous

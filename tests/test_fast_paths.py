@@ -118,6 +118,7 @@ def test_fast_and_general_replicas_meet_and_agree(two, monkeypatch):
     # Replica 1's tensor is a non-contiguous view (general path); replica 0's is plain.
     base = [torch.arange(6.0).reshape(2, 3) + 0.25, torch.arange(6.0).reshape(3, 2).t() * 1.5]
     assert not base[1].is_contiguous()
+    two.run(lambda: mirrored.get_replica_context().all_reduce("SUM", base[0]))  # plans it
     spy = Spy(monkeypatch)
     for order in (base, base[::-1]):
         got = two.experimental_local_results(two.run(
@@ -180,6 +181,8 @@ def test_mismatched_calls_raise_naming_both_replicas(two, second, match):
 def test_different_ops_across_replicas_are_a_mismatch(two):
     ops = ["SUM", "MAX"]
     t = torch.ones(2)
+    for op in ops:  # both planned: both replicas take the fast path below
+        two.run(lambda op=op: mirrored.get_replica_context().all_reduce(op, t))
     with pytest.raises(mirrored.CollectiveMismatchError, match="different collectives"):
         two.run(lambda: mirrored.get_replica_context().all_reduce(ops[rid()], t))
 

@@ -151,6 +151,9 @@ def test_reduce_fast_path_after_the_general_path_planned(kind: str) -> None:
     assert solo_reduce("MEDIAN", value, 0) is solo.NOT_TAKEN
     with pytest.raises(ValueError, match="MEDIAN"):
         strategy.reduce("MEDIAN", value, axis=0)
+    assert solo_reduce(["MEAN"], value, 0) is solo.NOT_TAKEN  # unhashable: not looked up
+    with pytest.raises(TypeError, match=r"reduce_op must be .*got list"):
+        strategy.reduce(["MEAN"], value, axis=0)
     with pytest.raises(ValueError, match="axis"):
         strategy.reduce("MEAN", value, axis=2)
     with pytest.raises(RuntimeError, match="requires cross-replica context"):

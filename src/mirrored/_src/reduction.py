@@ -25,6 +25,7 @@ import torch
 from .reduce_op import ReduceOp
 
 __all__ = [
+    "SUM_IS_MEAN",
     "LeafPlan",
     "cached_plan",
     "check_dtype",
@@ -43,6 +44,10 @@ __all__ = [
     "prepare",
     "sum_dtype",
 ]
+
+# Dtypes whose CPU `Tensor.mean` is the sum divided by the count, as a MEAN reduction
+# computes it: for one replica the reduction may be torch's mean, bit for bit.
+SUM_IS_MEAN = frozenset({torch.float32, torch.float64})
 
 _FLOAT32_MEAN = (torch.int8, torch.uint8, torch.int16)
 _HALF = (torch.float16, torch.bfloat16)

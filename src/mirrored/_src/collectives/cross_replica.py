@@ -18,6 +18,7 @@ from .. import pytree
 from ..devices import Device, current_device
 from ..reduce_op import ReduceOp
 from ..reduction import (
+    SUM_IS_MEAN,
     LeafPlan,
     cached_plan,
     check_dtype,
@@ -93,7 +94,6 @@ _PARSED: dict[tuple[Any, int], tuple[ReduceOp, tuple[int, ...]]] = {}
 # Where the plan's MEAN (a sum in the input's dtype divided in place by the count) is
 # exactly torch's CPU mean: at::mean_out on the CPU is sum_out(...).div_(count) for
 # these dtypes (tested against the general path, bit for bit).
-_SUM_IS_MEAN = frozenset({torch.float32, torch.float64})
 _function_modes = torch._C._len_torch_function_stack  # a device mode: results move
 
 
@@ -108,7 +108,7 @@ def reduce(parts: Parts, reduce_op: ReduceOp | str, value: Any, axis: Any) -> An
                 _PARSED[(reduce_op, axis)] = parsed
         tensor = value.detach() if value.requires_grad else value
         plan = cached_plan(parsed[0], tensor, parsed[1])
-        if (plan is not None and plan.op is ReduceOp.MEAN and tensor.dtype in _SUM_IS_MEAN
+        if (plan is not None and plan.op is ReduceOp.MEAN and tensor.dtype in SUM_IS_MEAN
                 and tensor.is_cpu and not _function_modes()):
             # torch's CPU mean of float32/64 is this sum divided by the count: one op.
             return tensor.mean(plan.dims)

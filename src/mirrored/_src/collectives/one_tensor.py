@@ -41,7 +41,7 @@ class OneTensor:
     """The fast path of local replica ``index`` (built by `make`, once per replica
     context)."""
 
-    __slots__ = ("_entries", "_exchange", "_index", "_n", "_parts", "_timeout")
+    __slots__ = ("_entries", "_index", "_n", "_parts", "_timeout")
 
     def __init__(self, parts: Parts, index: int) -> None:
         self._parts = parts

@@ -113,8 +113,7 @@ class CrossWorkerCalls:
                 dummy = [torch.zeros(n, dtype=getattr(torch, d.removeprefix("torch.")),
                                      device=self._wire.torch_device) for _, d, n in agreed]
                 if inside:
-                    trailer.encode(dummy[0][-inside:], agreed[0][0], self._world,
-                                   (ident, 0, 1))
+                    trailer.write(dummy[0], agreed[0][0], self._world, (ident, 0, 1))
                     self.watch.wait(self._launch(agreed, dummy), seq, text)
                 else:
                     self._round([*row[:2], 1, *row[3:]], self._launch(agreed, dummy), seq,

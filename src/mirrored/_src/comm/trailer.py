@@ -24,7 +24,7 @@ import struct
 
 import torch
 
-__all__ = ["FIELDS", "decode", "encode", "holds", "length", "write"]
+__all__ = ["FIELDS", "decode", "holds", "length", "write"]
 
 FIELDS = (62, 62, 1)  # identity, predicted next sizes, miss
 _EXACT = {torch.float32: 24, torch.float64: 53, torch.int32: 31, torch.int64: 63}
@@ -125,16 +125,10 @@ def holds(buffer: torch.Tensor, expected: bytes) -> bool:
     (what `write` returned): then every worker sent this worker's values (SUM:
     ``W·Σv² = (Σv)²`` holds only for equal ``v``; MIN/MAX: ``max v = min v``).
     ``False`` says nothing more: `decode` tells what differs."""
-    if not (buffer.is_cpu and buffer.is_contiguous()):
-        buffer = buffer.detach().cpu().contiguous()
+    if not (buffer.is_cpu and buffer.is_contiguous()):  # only the trailer leaves a GPU
+        buffer = buffer[-(len(expected) // buffer.element_size()):].detach().cpu().contiguous()
     end = buffer.data_ptr() + buffer.numel() * buffer.element_size()
     return ctypes.string_at(end - len(expected), len(expected)) == expected
-
-
-def encode(out: torch.Tensor, kind: str, workers: int, values: tuple[int, ...]) -> bytes:
-    """Writes the trailer of ``values`` (one per field) into ``out`` (exactly the
-    trailer's elements); returns what `write` returns."""
-    return write(out, kind, workers, values)
 
 
 def decode(combined: torch.Tensor, kind: str, workers: int

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import _thread
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ __all__ = ["SLICE", "STOP", "ReplicaFailure", "Task", "Worker"]
 
 STOP = object()
 SLICE = 0.1  # the longest untimed wait on the caller's thread between interrupt checks
+IDLE_POLL = 0.002  # `Worker.wait_idle`: how often a straggler's thread is looked at
 
 
 class ReplicaFailure:
@@ -161,10 +163,7 @@ class Worker:
     def __init__(self, index: int, name: str) -> None:
         self.index = index
         self.task: object = None
-        self.busy = False
-        # Held by the thread while it runs a task (a C-level lock: cheaper than an Event
-        # on every task); `wait_idle` acquires and releases it.
-        self.running = _thread.allocate_lock()
+        self.busy = False  # running a task (nothing to set per task but this flag)
         self.wake = _thread.allocate_lock()
         self.wake.acquire()
         self.thread = threading.Thread(target=loop, args=(self,),
@@ -172,9 +171,13 @@ class Worker:
         self.thread.start()
 
     def wait_idle(self, timeout: float) -> None:
-        """Waits at most ``timeout`` seconds until the thread is not running a task."""
-        if self.running.acquire(timeout=timeout):
-            self.running.release()
+        """Waits at most ``timeout`` seconds until the thread is not running a task.
+
+        Polls ``busy`` (only after an abandoned run): holding nothing, an interrupt here
+        can leave no lock taken that the thread's next task would wait for."""
+        deadline = time.monotonic() + timeout
+        while self.busy and time.monotonic() < deadline:
+            time.sleep(IDLE_POLL)
 
     def publish(self, task: object) -> None:
         self.task = task
@@ -197,11 +200,9 @@ def loop(worker: Worker) -> None:
         if task is STOP:
             return
         if isinstance(task, Task) and task.claim(worker.index, "worker"):
-            worker.running.acquire()
             worker.busy = True
             try:
                 task.execute(worker.index)
             finally:
                 worker.busy = False
-                worker.running.release()
         task = None

@@ -116,14 +116,15 @@ class ReplicaContext:
             (tensor(2.5000), tensor(2.5000))
         """
         one = self._one_tensor  # (not None: several replicas, so current must be self)
+        site = call_site(1)
         if (one is not None and axis is None and options is None and type(value) is torch.Tensor
                 and context.current_replica_context() is self):
-            out = one.all_reduce(reduce_op, value, call_site(1))
+            out = one.all_reduce(reduce_op, value, site)
             if out is not None:
                 return out
         self._check_current("all_reduce")
         return all_reduce.all_reduce(self._parts, self._index, reduce_op, value,
-                                     options, axis, call_site(1))
+                                     options, axis, site)
 
     def _sum_examples(self, count: int) -> int:
         """The step's example count over every replica (for ``compute_average_loss``)."""

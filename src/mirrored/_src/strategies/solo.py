@@ -37,7 +37,7 @@ import torch
 from .. import context
 from ..collectives.parts import Parts
 from ..reduce_op import ReduceOp
-from ..reduction import cached_plan
+from ..reduction import SUM_IS_MEAN, cached_plan
 from ..runtime.runtime import InlineRuntime, ThreadRuntime
 
 __all__ = ["NOT_TAKEN", "SoloRun", "solo_run"]
@@ -46,7 +46,6 @@ NOT_TAKEN: Final = object()  # the call goes the general way
 
 _PLAIN_LEAVES = frozenset({torch.Tensor, int, float, bool, str, type(None)})
 _is_plain = _PLAIN_LEAVES.__contains__
-_SUM_IS_MEAN = frozenset({torch.float32, torch.float64})  # torch's CPU mean: sum / count
 _function_modes = torch._C._len_torch_function_stack
 _thread_profiled = torch._C._autograd._profiler_enabled
 _profiler = torch.autograd.profiler
@@ -88,8 +87,9 @@ class SoloRun:
     def reduce(self, reduce_op: Any, value: Any, axis: Any) -> Any:
         """``strategy.reduce(reduce_op, value, axis)`` as ``value.mean(axis)``, or
         `NOT_TAKEN`."""
-        if type(value) is not torch.Tensor or type(axis) is not int or _function_modes():
-            return NOT_TAKEN
+        if (type(value) is not torch.Tensor or type(axis) is not int
+                or type(reduce_op) not in (str, ReduceOp) or _function_modes()):
+            return NOT_TAKEN  # (an unhashable op gets the general path's TypeError)
         key = (reduce_op, axis, value.dtype, value.dim())
         dims = self._means.get(key)
         if dims is None:
@@ -106,7 +106,7 @@ class SoloRun:
         """The dims of a MEAN of float32/64 that the general path planned already (its
         checks passed), remembered for ``key``; else ``None``."""
         reduce_op, axis, dtype, rank = key
-        if type(reduce_op) not in (str, ReduceOp) or dtype not in _SUM_IS_MEAN:
+        if dtype not in SUM_IS_MEAN:
             return None
         try:
             op = ReduceOp.from_value(reduce_op)

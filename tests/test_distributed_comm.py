@@ -466,3 +466,65 @@ def test_a_peer_killed_before_a_large_sum_is_named() -> None:
     message, workers, elapsed = value
     assert workers == (1,) and message.startswith("worker 1 failed"), message
     assert elapsed < 3.0 + 5.0
+
+
+def _step_inputs(rank: int, step: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return [torch.randn(3, 4, generator=g), torch.randn(7, generator=g)]
+
+
+def _repeated_small_sums(comm: DistributedCommunicator, topology: Topology) -> dict[str, Any]:
+    """A loop's repeated small SUM (as the optimizer's gradient all-reduce): which
+    results share a buffer with earlier ones, and what held results read later."""
+    dests = [topology.devices] * 2
+    rank = topology.worker_index
+    steps: list[list[list[float]]] = []
+    held: dict[str, Any] = {}
+    ptrs = []
+
+    def step(i: int) -> list[torch.Tensor]:
+        out = [per_value[0] for per_value in comm.reduce_packed(
+            ReduceOp.SUM, [_step_inputs(rank, i)], dests, bytes_per_pack=0)]
+        steps.append([t.flatten().tolist() for t in out])
+        ptrs.append(out[0].data_ptr())
+        # Gloo's thread lets go of the call's tensors right after the wait ends (a
+        # training step takes far longer): reuse is then certain, so it is asserted.
+        time.sleep(0.02)
+        return out
+
+    step(0)  # dropped: its buffer may serve step 1
+    step(1)
+    kept = step(2)  # held (zero_grad(set_to_none=False) keeps .grad)
+    snapshot = [t.clone() for t in kept]
+    step(3)
+    step(4)
+    held["kept"] = [torch.equal(a, b) for a, b in zip(kept, snapshot, strict=True)]
+    del kept
+    view = step(5)[1][2:5]  # a view of a result, held
+    view_before = view.clone()
+    array = step(6)[0].numpy()  # a numpy array of a result, held
+    array_before = array.copy()
+    step(7)
+    step(8)
+    held["view"] = torch.equal(view, view_before)
+    held["array"] = bool((array == array_before).all())
+    return {"steps": steps, "ptrs": ptrs, "held": held}
+
+
+@pytest.mark.timeout(90)
+def test_repeated_small_sums_reuse_their_buffer_and_never_overwrite_a_held_result() -> None:
+    got = _values(_spawn(_repeated_small_sums, 2), 2)
+    for w in range(2):
+        steps = got[w]["steps"]
+        for i, results in enumerate(steps):  # every step's sums are right
+            expected = [a + b for a, b in zip(_step_inputs(0, i), _step_inputs(1, i),
+                                              strict=True)]
+            for result, want in zip(results, expected, strict=True):
+                assert result == want.flatten().tolist(), (w, i)
+        ptrs = got[w]["ptrs"]
+        a, b, c = ptrs[0], ptrs[3], ptrs[7]
+        # A dropped result's buffer serves the next call; while one of its results is
+        # held, the second kept buffer does; while both are held, a fresh one.
+        assert ptrs == [a, a, a, b, b, a, b, c, c], ptrs
+        assert len({a, b, c}) == 3
+        assert got[w]["held"] == {"kept": [True, True], "view": True, "array": True}

@@ -60,7 +60,8 @@ def noisy_cnn() -> nn.Module:
 
 
 def train_digits_like(strategy: mirrored.Strategy, steps: int, directory: str | None = None,
-                      crash_at: int | None = None, model_fn=cnn) -> dict[str, torch.Tensor]:
+                      crash_at: int | None = None, model_fn=cnn,
+                      set_to_none: bool = True) -> dict[str, torch.Tensor]:
     """The multi-worker training loop: mirror the model (the chief's initial values
     reach every worker), distribute each global batch, train with
     `compute_average_loss`, checkpoint through the chief every 2 steps and resume
@@ -76,7 +77,7 @@ def train_digits_like(strategy: mirrored.Strategy, steps: int, directory: str | 
         loss = nn.functional.cross_entropy(model(x), y, reduction="none")
         mirrored.compute_average_loss(loss).backward()
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         return loss.detach().sum()
 
     data = strategy.experimental_distribute_dataset(
@@ -91,7 +92,7 @@ def train_digits_like(strategy: mirrored.Strategy, steps: int, directory: str | 
 
 
 def _worker(local: int, directory: str | None, crash_at: int | None,
-            steps: int = STEPS) -> dict[str, list]:
+            steps: int = STEPS, set_to_none: bool = True) -> dict[str, list]:
     strategy = mirrored.MultiWorkerMirroredStrategy(
         communication_options=CommunicationOptions(timeout_seconds=30),
         devices=[f"CPU:{i}" for i in range(local)])
@@ -99,7 +100,8 @@ def _worker(local: int, directory: str | None, crash_at: int | None,
     try:  # worker 1 builds different initial values: mirror starts it from the chief's
         state = train_digits_like(strategy, steps, directory,
                                   crash_at if worker == 1 else None,
-                                  model_fn=noisy_cnn if worker == 1 else cnn)
+                                  model_fn=noisy_cnn if worker == 1 else cnn,
+                                  set_to_none=set_to_none)
     finally:
         strategy.close()
     return {k: v.tolist() for k, v in state.items()}
@@ -119,6 +121,19 @@ def test_two_workers_of_two_replicas_train_like_one_process():
     for state in results:
         _assert_close(state, expected)
     assert results[0] == results[1]  # the workers' copies are bitwise equal
+
+
+@pytest.mark.timeout(120)
+def test_one_replica_workers_keeping_their_gradients_train_like_one_process():
+    # One replica per worker: the gradients go straight to the communicator, whose
+    # small result buffers are reused; zero_grad(set_to_none=False) keeps each step's
+    # reduced gradients (views of one of them) through the next step's backward.
+    results = mirrored.testing.run_multi_process(_worker, 2, args=(1, None, None, STEPS, False),
+                                                 timeout=110)
+    expected = train_reference(STEPS)
+    for state in results:
+        _assert_close(state, expected)
+    assert results[0] == results[1]
 
 
 @pytest.mark.timeout(150)

@@ -39,7 +39,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX])
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.MEAN, ReduceOp.MIN, ReduceOp.MAX])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64])
 @pytest.mark.parametrize("n", [3, 4, 8])
 def test_chunked_combine_is_bitwise_the_whole_ops_in_order(monkeypatch, op, dtype, n):
@@ -60,11 +60,38 @@ def test_chunked_combine_is_bitwise_the_whole_ops_in_order(monkeypatch, op, dtyp
     assert torch.equal(_bits(got), _bits(_reference(op, parts)))
 
 
+def _counting(monkeypatch, op: ReduceOp) -> list[int]:
+    calls: list[int] = []
+    fold = FOLD[op]
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return fold(*args, **kwargs)
+
+    monkeypatch.setitem(host._COMBINE, op, counting)
+    return calls
+
+
 def test_chunked_sum_keeps_the_sign_of_an_all_negative_zero(monkeypatch):
     monkeypatch.setattr(host, "CHUNK_BYTES", 16)
+    calls = _counting(monkeypatch, ReduceOp.SUM)
     parts = [torch.full((64,), -0.0) for _ in range(3)]
     got = host.combine(ReduceOp.SUM, parts, CPU)
+    assert len(calls) == 16 * 2  # in chunks of 4 floats
     assert torch.equal(_bits(got), _bits(torch.full((64,), -0.0)))
+
+
+def test_parts_of_another_shape_keep_the_whole_tensor_ops(monkeypatch):
+    monkeypatch.setattr(host, "CHUNK_BYTES", 64)
+    g = torch.Generator().manual_seed(3)
+    same_size = [torch.randn(32, 32, generator=g), torch.randn(32, 32, generator=g),
+                 torch.randn(16, 64, generator=g)]
+    with pytest.raises(RuntimeError, match="size"):  # not summed as flat buffers
+        host.combine(ReduceOp.SUM, same_size, CPU)
+    broadcast = [torch.randn(1024, generator=g), torch.randn(1, generator=g),
+                 torch.randn(1024, generator=g)]
+    got = host.combine(ReduceOp.SUM, broadcast, CPU)
+    assert torch.equal(got, _reference(ReduceOp.SUM, broadcast))
 
 
 @pytest.mark.parametrize("case", ["two parts", "small", "non-contiguous"])
@@ -103,11 +130,13 @@ def test_large_reduce_through_the_strategy_equals_the_fold(monkeypatch):
     monkeypatch.setitem(host._COMBINE, ReduceOp.SUM, counting)
     numel = 40_000  # above the direct-combine size
     strategy = mirrored.MirroredStrategy([f"CPU:{i}" for i in range(4)])
-    values = strategy.experimental_distribute_values_from_function(
-        lambda ctx: torch.arange(numel, dtype=torch.float32) * (ctx.replica_id_in_sync_group + 1)
-        / 7)
-    got = strategy.reduce("SUM", values, axis=None)
+    try:
+        values = strategy.experimental_distribute_values_from_function(
+            lambda ctx: torch.arange(numel, dtype=torch.float32)
+            * (ctx.replica_id_in_sync_group + 1) / 7)
+        got = strategy.reduce("SUM", values, axis=None)
+    finally:
+        strategy.close()
     parts = [torch.arange(numel, dtype=torch.float32) * (r + 1) / 7 for r in range(4)]
     assert torch.equal(got, _reference(ReduceOp.SUM, parts))
     assert len(calls) == -(-numel // 1024) * 3  # in chunks of 1024 floats
-    strategy.close()

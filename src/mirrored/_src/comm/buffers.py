@@ -7,7 +7,9 @@ reduction itself. The pool keeps the large result tensors it handed out and
 reuses one only when nothing outside the pool still references it: no Python
 reference to the tensor, none to its storage, no other C++ owner of the tensor
 (autograd's saved tensors, DLPack) and no view of its storage (numpy arrays,
-slices). Any such owner keeps the buffer out of reuse, so a result is never
+slices), and a storage moved to shared memory (``share_memory_``, a tensor sent
+through ``torch.multiprocessing``: another process may read it) is dropped from
+the pool. Any such owner keeps the buffer out of reuse, so a result is never
 overwritten while visible: no weak reference either (a result held only through a
 ``weakref`` stays untouched). Buffers made under ``torch.inference_mode()`` are
 inference tensors and are only ever reused under it, and the others only outside
@@ -30,19 +32,21 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["KEEP_BYTES", "MAX_BYTES", "BufferPool", "Kept", "default_pool"]
+__all__ = ["MAX_BYTES", "BufferPool", "default_pool"]
 
 _MIN_BYTES = 1 << 20
 MAX_BYTES = 256 << 20
-KEEP_BYTES = 16 << 20  # the most bytes of results a communicator keeps (`Kept`)
 
 
-def _storage_owners(tensor: torch.Tensor) -> tuple[int, int]:
+def _storage_owners(tensor: torch.Tensor) -> tuple[int, int, bool]:
+    # (C++ owners, Python references of the storage object, shared with another
+    # process: a tensor sent through torch.multiprocessing or share_memory_()).
     storage = tensor.untyped_storage()
-    return torch._C._storage_Use_Count(storage._cdata), sys.getrefcount(storage)
+    return (torch._C._storage_Use_Count(storage._cdata), sys.getrefcount(storage),
+            storage.is_shared())
 
 
-def _baseline() -> tuple[int, int] | None:
+def _baseline() -> tuple[int, int, bool] | None:
     # What `_storage_owners` reports for a tensor nobody else holds; measured rather
     # than assumed, since torch's storage bookkeeping differs between versions.
     if not (hasattr(torch._C, "_storage_Use_Count") and hasattr(torch.Tensor, "_use_count")):
@@ -145,10 +149,15 @@ class BufferPool:
             else:
                 self._entries.move_to_end(key)
             for tensor in entries:
-                # Three references are ours: the list entry, `tensor`, getrefcount's argument.
-                if (sys.getrefcount(tensor) <= 3 and weakref.getweakrefcount(tensor) == 0
-                        and _only_the_pool_holds(tensor)):
-                    return tensor
+                # Three references are ours: the list entry, `tensor`, getrefcount's argument
+                # (no enumerate: its reused result tuple would hold a fourth).
+                if sys.getrefcount(tensor) <= 3 and weakref.getweakrefcount(tensor) == 0:
+                    if _only_the_pool_holds(tensor):
+                        return tensor
+                    if tensor.untyped_storage().is_shared():  # another process reads it
+                        entries[:] = [t for t in entries if t is not tensor]
+                        self._bytes -= nbytes
+                        break
             fresh = torch.empty(shape, dtype=dtype, device=device)
             if len(entries) < self._max_per_key:
                 entries.append(fresh)
@@ -177,72 +186,3 @@ _default_pool = BufferPool()
 def default_pool() -> BufferPool:
     """The process-wide pool used by reductions."""
     return _default_pool
-
-
-class Kept:
-    """A small result buffer and the views the results are, kept by a repeated call
-    (a training loop's gradient all-reduce), to be handed out again instead of a
-    fresh buffer and fresh views (what a small buffer costs: the allocation, first
-    touches, one view per result, about a tenth of a small model's step).
-
-    `free` says whether nothing outside still holds the buffer or any view: no Python
-    reference but the `Kept`'s own, no weak reference, no other C++ owner (autograd's
-    saved tensors, DLPack) and no further view or storage user (numpy arrays, slices)
-    than when it was made. A result that the user kept (``p.grad`` not reset, a list
-    of last step's results) makes the call take a fresh buffer, so no result is ever
-    overwritten while visible.
-
-    Example:
-        >>> import torch
-        >>> buffer = torch.zeros(6)
-        >>> kept = Kept(buffer, buffer[:4].view(2, 2))
-        >>> del buffer
-        >>> kept.free()
-        True
-        >>> result = kept.tensors[1]
-        >>> kept.free()
-        False
-    """
-
-    __slots__ = ("inference", "owners", "refs", "tensors", "uses")
-
-    def __init__(self, buffer: torch.Tensor, *views: torch.Tensor) -> None:
-        self.tensors = (buffer, *views)
-        # What `free` compares with: measured now, while only these tensors exist
-        # (a view holds its base, so the buffer's C++ owners count the views).
-        self.uses = tuple(t._use_count() for t in self.tensors)  # type: ignore[attr-defined]
-        self.owners = _storage_owners(buffer)
-        self.inference = torch.is_inference_mode_enabled()
-        probe = _KEPT_REFS[self.inference]
-        self.refs = None if probe is None else [probe[0], *[probe[1]] * len(views)]
-
-    def free(self) -> bool:
-        """Whether the buffer and its views may be handed out again (see the class)."""
-        if self.refs is None or self.inference != torch.is_inference_mode_enabled():
-            return False
-        tensors = self.tensors
-        return (_python_refs(tensors) == self.refs
-                and not any(weakref.getweakrefcount(t) for t in tensors)
-                and tuple(t._use_count() for t in tensors) == self.uses  # type: ignore[attr-defined]
-                and _storage_owners(tensors[0]) == self.owners)
-
-
-def _python_refs(tensors: tuple[torch.Tensor, ...]) -> list[int]:
-    return [sys.getrefcount(t) for t in tensors]
-
-
-def _kept_refs(inference: bool) -> list[int] | None:
-    # The Python references `_python_refs` sees for a buffer and a view of it held by
-    # a tuple alone: measured, since torch's bookkeeping differs between versions and
-    # modes (a tensor that a view holds in C++ also holds its Python object, except
-    # under inference mode, whose views do not hold their base).
-    if _BASELINE is None:
-        return None
-    with torch.inference_mode(inference):
-        buffer = torch.empty(2)
-        held = (buffer, buffer[:1])
-    del buffer
-    return _python_refs(held)
-
-
-_KEPT_REFS = {mode: _kept_refs(mode) for mode in (False, True)}

@@ -36,7 +36,7 @@ from ..reduce_op import ReduceOp
 from ..reduction import describe
 from ..topology import Topology
 from . import packing, trailer
-from .buffers import KEEP_BYTES, Kept, default_pool
+from .buffers import default_pool
 from .call_identity import CallLedger, JobLink
 from .cross_call import GATHER, HEAD, CrossWorkerCalls, PendingCall
 from .cross_device_ops import CrossDeviceOps
@@ -46,7 +46,6 @@ from .watch import CallWatch
 __all__ = ["CHUNKS", "CHUNK_MIN_BYTES", "DistributedCommunicator", "OverlappedSum"]
 
 _HOST = Device("CPU", 0)
-KEEP_MAX_BYTES = 1 << 20  # larger results come from the buffer pool
 # A pack of CHUNK_MIN_BYTES or more crosses the workers as CHUNKS collectives of one
 # call (measured on 2 workers over loopback Gloo, 16 and 64 MiB: 1.03-1.07x a raw
 # in-place all-reduce, against 1.3-1.5x for one copy followed by one collective),
@@ -117,7 +116,6 @@ class DistributedCommunicator:
             topology, self._wire_device(topology, group))
         self._wire = self._wire_device(topology, group)  # where cross-worker data travels
         self._plans: dict[tuple[Any, ...], Any] = {}
-        self._kept_bytes = 0  # of the results kept by the plans (`Kept`)
 
     @staticmethod
     def _wire_device(topology: Topology, group: Any) -> Device:
@@ -147,12 +145,11 @@ class DistributedCommunicator:
                           self._topology.num_workers, self._check)
             if len(self._plans) >= 256:
                 self._plans.clear()
-                self._kept_bytes = 0
             self._plans[key] = known
-        packs, what, sizes, wire, kept = known
+        packs, what, sizes, wire = known
         kind = reduce_op.name.lower()
         views, data, fills = [], [], []
-        for members, (n, dtype, extra, exact), slots in zip(packs, sizes, kept, strict=True):
+        for members, (n, dtype, extra, exact) in zip(packs, sizes, strict=True):
             leaves = [first[m] for m in members]
             if len(per_replica) > 1:  # the local sum in replica order, then one copy
                 flats = [packing.pack([leaves_r[m] for m in members])
@@ -161,19 +158,11 @@ class DistributedCommunicator:
                     reduce_op, flats, (self._wire,))[0]
             else:
                 source = leaves
-            # Results live in a pooled buffer (the check's trailer at its end), or in
-            # one this plan kept that nobody holds any more (small ones: `Kept`); the
+            # Results live in a pooled buffer (the check's trailer at its end); the
             # data reach it by one copy, chunk by chunk as the chunks are launched.
-            for slot in slots:
-                if slot.free():
-                    buffer, payload, *shaped = slot.tensors
-                    break
-            else:
-                buffer = default_pool().empty((n + extra,), dtype, self._wire.torch_device)
-                payload = buffer[:n]
-                shaped = packing.unpack(payload, leaves)  # the results, shaped
-                self._keep(slots, buffer, payload, shaped)
-            views.append((payload, shaped))
+            buffer = default_pool().empty((n + extra,), dtype, self._wire.torch_device)
+            shaped = packing.unpack(buffer[:n], leaves)  # the results, shaped
+            views.append((buffer[:n], shaped))
             chunks = _chunks(buffer, n, extra, source, shaped, split=exact)
             if extra:  # the trailer's chunk goes first (`CrossWorkerCalls`)
                 chunks.insert(0, chunks.pop())
@@ -191,22 +180,6 @@ class DistributedCommunicator:
                 for m, part in zip(members, parts, strict=True):
                     out[m].append(part)
         return out
-
-    def _keep(self, slots: list[Kept], buffer: torch.Tensor, payload: torch.Tensor,
-              shaped: list[torch.Tensor]) -> None:
-        """Keeps a small host result buffer and its views for the plan's next calls:
-        two per pack, so that results held until the next call (``zero_grad(
-        set_to_none=False)`` keeps ``.grad``) alternate between them."""
-        nbytes = buffer.numel() * buffer.element_size()
-        if buffer.device.type != "cpu" or nbytes >= KEEP_MAX_BYTES:
-            return
-        if len(slots) == 2:
-            slots.pop(0)
-        elif self._kept_bytes + nbytes > KEEP_BYTES:
-            return
-        else:
-            self._kept_bytes += nbytes
-        slots.append(Kept(buffer, payload, *shaped))
 
     def gather(self, per_replica: Sequence[torch.Tensor], dim: int,
                destinations: tuple[Device, ...]) -> tuple[list[torch.Tensor], list[int]]:
@@ -333,10 +306,9 @@ class DistributedCommunicator:
 def _plan(reduce_op: ReduceOp, first: Sequence[torch.Tensor],
           destinations: Sequence[tuple[Device, ...]], bytes_per_pack: int, workers: int,
           check: bool) -> tuple[list[list[int]], str, list[tuple[int, torch.dtype, int, bool]],
-                                list[tuple[str, str, int]], list[list[Kept]]]:
+                                list[tuple[str, str, int]]]:
     """A call's packs, description, per pack (elements, dtype, trailer, whether it may
-    travel in chunks), its wire sizes (filled by its first call), and per pack the
-    result buffers it keeps (filled as it runs)."""
+    travel in chunks), and its wire sizes (filled by its first call)."""
     packs = packing.plan([t.numel() * t.element_size() for t in first],
                          [(t.dtype, t.device, id(destinations[k]))
                           for k, t in enumerate(first)], bytes_per_pack)
@@ -350,7 +322,7 @@ def _plan(reduce_op: ReduceOp, first: Sequence[torch.Tensor],
         # element's floats (its position in the transfer): then one collective.
         exact = kind != "sum" or workers <= 2 or not dtype.is_floating_point
         sizes.append((sum(first[m].numel() for m in members), dtype, extra, exact))
-    return packs, what, sizes, [], [[] for _ in packs]
+    return packs, what, sizes, []
 
 
 def _chunks(buffer: torch.Tensor, n: int, extra: int,

@@ -35,10 +35,11 @@ def _combine_into(out: torch.Tensor, parts: Sequence[torch.Tensor],
     From three large host parts on, chunk by chunk: each `CHUNK_BYTES` of ``out``
     takes every part's contribution while it is in the cache, so memory carries
     each part once and ``out`` once, instead of ``out`` read and written again per
-    part (4 x 64 MiB: 1.85x one ``torch.add`` of two parts, against 2.42x whole;
-    8 x 64 MiB: 3.4x against 5.1x; see benchmarks/bench_core.py). Each element
+    part (4 x 64 MiB: 1.84x one ``torch.add`` of two parts, against 2.47x whole;
+    8 x 64 MiB: 3.64x against 5.40x; see benchmarks/bench_core.py). Each element
     sees the same operations in the same order either way, so the results are
-    bitwise the same. Otherwise one out-of-place op and in-place ones: per-op
+    bitwise the same. Otherwise (two parts, small ones, parts not contiguous or
+    not of ``out``'s shape, GPU) one out-of-place op and in-place ones: per-op
     dispatch (which wakes torch's intra-op threads) is paid N - 1 times.
     """
     if len(parts) == 1:
@@ -47,7 +48,7 @@ def _combine_into(out: torch.Tensor, parts: Sequence[torch.Tensor],
     n = out.numel()
     step = CHUNK_BYTES // out.element_size()
     if (len(parts) == 2 or n < 2 * step or not out.is_cpu
-            or not all(p.is_contiguous() for p in parts)):
+            or not all(p.is_contiguous() and p.shape == out.shape for p in parts)):
         fn(parts[0], parts[1], out=out)
         for p in parts[2:]:
             fn(out, p, out=out)

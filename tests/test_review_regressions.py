@@ -247,3 +247,48 @@ def test_default_strategy_collectives_keep_the_value_device():
     with torch.device("meta"):
         assert ctx.all_reduce("SUM", torch.zeros(1)).device == torch.device("meta")
         assert ctx.all_gather(torch.zeros(1), axis=0).device == torch.device("meta")
+
+
+@pytest.mark.timeout(60)
+def test_cross_worker_results_carry_no_state_of_earlier_calls():
+    # A result buffer reused across calls once handed out view objects that kept an
+    # earlier call's autograd state and in-place shape changes (review of a removed
+    # optimization). One worker of a multi-worker strategy: the cross-worker path.
+    strategy = mirrored.MultiWorkerMirroredStrategy(devices=["CPU:0", "CPU:1"])
+    w = torch.ones(3, requires_grad=True)
+
+    def step(x, mode):
+        ctx = mirrored.get_replica_context()
+        if mode == "no_grad":
+            with torch.no_grad():
+                out = ctx.all_reduce("SUM", [x, x[:1]])
+        else:
+            out = ctx.all_reduce("SUM", [x, x[:1]])
+        if mode == "t_":
+            out[0].t_()
+        elif mode == "requires_grad":
+            out[0].requires_grad_()
+        elif mode == "grad":
+            scaled = out[0].mul(w)  # the result enters autograd
+            return scaled.sum(), out[0].shape, out[0].requires_grad
+        return out[0].clone().detach(), out[0].shape, out[0].requires_grad
+
+    try:
+        modes = ["no_grad", "grad", "t_", None, "requires_grad", None, "grad"]
+        for i, mode in enumerate(modes):
+            x = torch.arange(9.0).view(3, 3)[0] + i if mode == "grad" else \
+                torch.arange(9.0).view(3, 3) + i
+            result = strategy.run(step, args=(x, mode))
+            value, shape, requires_grad = (  # replica 0's (a value all share comes as is)
+                r.values[0] if isinstance(r, mirrored.PerReplica) else r for r in result)
+            if mode == "grad":
+                assert value.requires_grad
+                value.backward()
+                assert torch.equal(w.grad, 2 * x)  # replica 0's sum of both replicas' x
+                w.grad = None
+            elif mode != "t_":
+                assert torch.equal(value, 2 * x), mode
+                assert shape == (3, 3) and requires_grad is (mode == "requires_grad"), mode
+            del result, value
+    finally:
+        strategy.close()

@@ -140,3 +140,14 @@ def test_large_reduce_through_the_strategy_equals_the_fold(monkeypatch):
     parts = [torch.arange(numel, dtype=torch.float32) * (r + 1) / 7 for r in range(4)]
     assert torch.equal(got, _reference(ReduceOp.SUM, parts))
     assert len(calls) == -(-numel // 1024) * 3  # in chunks of 1024 floats
+
+
+@pytest.mark.parametrize("chunks", [host.CHUNKED_FROM - 1, host.CHUNKED_FROM])
+def test_chunks_start_at_chunked_from_chunks_per_part(monkeypatch, chunks):
+    # Parts that fit the cache anyway are summed whole (chunks only add dispatch).
+    monkeypatch.setattr(host, "CHUNK_BYTES", 64)
+    calls = _counting(monkeypatch, ReduceOp.SUM)
+    parts = _parts(3, chunks * 16, torch.float32, seed=chunks)
+    got = host.combine(ReduceOp.SUM, parts, CPU)
+    assert len(calls) == (2 * chunks if chunks >= host.CHUNKED_FROM else 2)
+    assert torch.equal(_bits(got), _bits(_reference(ReduceOp.SUM, parts)))

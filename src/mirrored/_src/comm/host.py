@@ -14,14 +14,18 @@ import torch
 from ..reduce_op import ReduceOp
 from .buffers import default_pool
 
-__all__ = ["CHUNK_BYTES", "DIRECT_BYTES", "combine", "combine_each", "concat", "copy_to"]
+__all__ = ["CHUNKED_FROM", "CHUNK_BYTES", "DIRECT_BYTES", "combine", "combine_each", "concat",
+           "copy_to"]
 
 # Below this size a combine is all per-op dispatch: `combine_each` skips packing.
 DIRECT_BYTES = 1 << 16
-# Large host combines of three parts or more run in chunks of this size (`combine`):
-# 2 MiB measured best on the 2-core machine (1.5-4 MiB within 10 %, 1 and 8 MiB worse), each
-# chunk's parts and result well inside its 32 MiB L3 cache.
+# Host combines of three parts or more, of at least CHUNKED_FROM chunks each, run in
+# chunks of CHUNK_BYTES (`combine`): 2 MiB measured best on the 2-core machine (1.5-4
+# MiB within 10 %, 1 and 8 MiB worse), each chunk's parts and result well inside its
+# 32 MiB L3 cache. Smaller parts are in the cache anyway: chunks lost up to 1.5x at
+# 4.5-8 MiB, broke even at 12.6-16 MiB and won from 16-25 MiB (0.67-0.91x at 25 MiB).
 CHUNK_BYTES = 2 << 20
+CHUNKED_FROM = 8  # chunks: 16 MiB parts
 _COMBINE: dict[ReduceOp, Callable[..., torch.Tensor]] = {
     ReduceOp.SUM: torch.add, ReduceOp.MEAN: torch.add, ReduceOp.MIN: torch.minimum,
     ReduceOp.MAX: torch.maximum}
@@ -32,8 +36,8 @@ def _combine_into(out: torch.Tensor, parts: Sequence[torch.Tensor],
     """``out = fn(fn(fn(p0, p1), p2), ...)``, element-wise, in this order (``fn``:
     ``torch.add``, ``torch.minimum`` or ``torch.maximum``).
 
-    From three large host parts on, chunk by chunk: each `CHUNK_BYTES` of ``out``
-    takes every part's contribution while it is in the cache, so memory carries
+    From three large host parts on (16 MiB each), chunk by chunk: each `CHUNK_BYTES`
+    of ``out`` takes every part's contribution while it is in the cache, so memory carries
     each part once and ``out`` once, instead of ``out`` read and written again per
     part (4 x 64 MiB: 1.84x one ``torch.add`` of two parts, against 2.47x whole;
     8 x 64 MiB: 3.64x against 5.40x; see benchmarks/bench_core.py). Each element
@@ -47,7 +51,7 @@ def _combine_into(out: torch.Tensor, parts: Sequence[torch.Tensor],
         return
     n = out.numel()
     step = CHUNK_BYTES // out.element_size()
-    if (len(parts) == 2 or n < 2 * step or not out.is_cpu
+    if (len(parts) == 2 or n < CHUNKED_FROM * step or not out.is_cpu
             or not all(p.is_contiguous() and p.shape == out.shape for p in parts)):
         fn(parts[0], parts[1], out=out)
         for p in parts[2:]:

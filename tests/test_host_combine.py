@@ -39,28 +39,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.MEAN, ReduceOp.MIN, ReduceOp.MAX])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64])
-@pytest.mark.parametrize("n", [3, 4, 8])
-def test_chunked_combine_is_bitwise_the_whole_ops_in_order(monkeypatch, op, dtype, n):
-    monkeypatch.setattr(host, "CHUNK_BYTES", 64)  # many chunks, a partial last one
-    numel = 1000 + n  # not a multiple of the chunk
-    parts = _parts(n, numel, dtype, seed=n)
-    calls: list[int] = []
-    fold = FOLD[op]
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return fold(*args, **kwargs)
-
-    monkeypatch.setitem(host._COMBINE, op, counting)
-    got = host.combine(op, parts, CPU)
-    chunk = 64 // parts[0].element_size()
-    assert len(calls) == -(-numel // chunk) * (n - 1)  # the chunked path ran
-    assert torch.equal(_bits(got), _bits(_reference(op, parts)))
-
-
 def _counting(monkeypatch, op: ReduceOp) -> list[int]:
+    """Counts the combine's element-wise ops of ``op`` (one per chunk and part)."""
     calls: list[int] = []
     fold = FOLD[op]
 
@@ -70,6 +50,20 @@ def _counting(monkeypatch, op: ReduceOp) -> list[int]:
 
     monkeypatch.setitem(host._COMBINE, op, counting)
     return calls
+
+
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.MEAN, ReduceOp.MIN, ReduceOp.MAX])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64])
+@pytest.mark.parametrize("n", [3, 4, 8])
+def test_chunked_combine_is_bitwise_the_whole_ops_in_order(monkeypatch, op, dtype, n):
+    monkeypatch.setattr(host, "CHUNK_BYTES", 64)  # many chunks, a partial last one
+    numel = 1000 + n  # not a multiple of the chunk
+    parts = _parts(n, numel, dtype, seed=n)
+    calls = _counting(monkeypatch, op)
+    got = host.combine(op, parts, CPU)
+    chunk = 64 // parts[0].element_size()
+    assert len(calls) == -(-numel // chunk) * (n - 1)  # the chunked path ran
+    assert torch.equal(_bits(got), _bits(_reference(op, parts)))
 
 
 def test_chunked_sum_keeps_the_sign_of_an_all_negative_zero(monkeypatch):
@@ -100,17 +94,11 @@ def test_whole_tensor_path_where_chunks_do_not_apply(monkeypatch, case):
     g = torch.Generator().manual_seed(7)
     if case == "two parts":
         parts = [torch.randn(1000, generator=g) for _ in range(2)]
-    elif case == "small":  # under two chunks
+    elif case == "small":  # under CHUNKED_FROM chunks
         parts = [torch.randn(20, generator=g) for _ in range(4)]
     else:
         parts = [torch.randn(40, 50, generator=g).t() for _ in range(4)]
-    calls: list[int] = []
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return torch.add(*args, **kwargs)
-
-    monkeypatch.setitem(host._COMBINE, ReduceOp.SUM, counting)
+    calls = _counting(monkeypatch, ReduceOp.SUM)
     got = host.combine(ReduceOp.SUM, parts, CPU)
     assert len(calls) == len(parts) - 1  # one op per part after the first
     assert torch.equal(got, _reference(ReduceOp.SUM, parts))
@@ -121,13 +109,7 @@ def test_large_reduce_through_the_strategy_equals_the_fold(monkeypatch):
     import mirrored
 
     monkeypatch.setattr(host, "CHUNK_BYTES", 4096)
-    calls: list[int] = []
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return torch.add(*args, **kwargs)
-
-    monkeypatch.setitem(host._COMBINE, ReduceOp.SUM, counting)
+    calls = _counting(monkeypatch, ReduceOp.SUM)
     numel = 40_000  # above the direct-combine size
     strategy = mirrored.MirroredStrategy([f"CPU:{i}" for i in range(4)])
     try:

@@ -4,14 +4,17 @@ all-reduce combines them tell equal numbers from different ones exactly."""
 from __future__ import annotations
 
 import functools
+import sys
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import mirrored
 from mirrored._src.comm import trailer
-from mirrored._src.comm.call_identity import CallLedger, identity_hash
+from mirrored._src.comm.call_identity import CallLedger, UserCall, identity_hash, user_call
+from mirrored._src.comm.cross_call import _CallText
 
 _COMBINE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 _HASH = st.integers(min_value=0, max_value=2**62 - 1)
@@ -128,3 +131,39 @@ def test_a_trailer_on_a_view_that_is_not_contiguous_is_written_and_read():
     expected = trailer.write(column, "sum", 2, (12345, 678, 0))
     assert torch.equal(column[-n:], _reference("sum", torch.float32, 2, (12345, 678, 0)))
     assert trailer.holds(column * 2, expected) and not trailer.holds(column, expected)
+
+
+def _site_of(line_a: bool) -> UserCall:
+    # Two call lines in one function: each must be its own site.
+    if line_a:
+        return user_call()
+    return user_call()
+
+
+def test_the_user_call_names_each_line_of_the_users_code_and_is_kept_per_line():
+    a, again, b = _site_of(True), _site_of(True), _site_of(False)
+    line = _site_of.__code__.co_firstlineno
+    assert a.site == f"test_call_check.py:{line + 3}" and b.site == f"test_call_check.py:{line + 4}"
+    assert again is a  # kept: a loop repeats its calls
+    assert a.entry == "?"  # called from the user's code directly, no library entry
+
+
+def test_the_user_call_skips_this_librarys_frames_and_names_its_entry():
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    for _ in range(2):  # the second time from what is kept
+        site = f"test_call_check.py:{sys._getframe().f_lineno + 1}"
+        seen = strategy.run(user_call)  # the library calls it: its frames are skipped
+        assert {str(c) for c in strategy.experimental_local_results(seen)} == {
+            f"Strategy.run at {site}"}
+
+
+def test_a_calls_text_is_formatted_when_a_message_needs_it():
+    ledger = CallLedger()
+    ledger.next_phase()
+    text = _CallText(UserCall("all_reduce", "train.py:7"), "SUM of float32[4]", 2, ledger.in_run,
+                     ledger.run)
+    ledger.next_phase()  # the ledger moves on: the text keeps the call's phase
+    expected = "all_reduce(SUM of float32[4]) at train.py:7 (collective 2 in run 1)"
+    assert str(text) == expected and f"in {text}!" == f"in {expected}!"
+    assert CallLedger.describe_phase(False, 0) == "before the first run"
+    assert CallLedger.describe_phase(False, 3) == "after run 3"

@@ -18,6 +18,7 @@ import hashlib
 import os
 import sys
 import sysconfig
+from types import CodeType, FrameType
 from typing import Protocol
 
 import torch
@@ -75,21 +76,49 @@ class UserCall:
         return f"{self.entry} at {self.site}"
 
 
+def _frame_kind(code: CodeType) -> str | bool:
+    """``False`` for a frame of the user's code, ``True`` for one skipped (torch, the
+    standard library, installed packages), this library's entry name for its own."""
+    filename = code.co_filename
+    if filename.startswith(_SKIPPED) or filename.startswith("<frozen "):
+        return code.co_qualname.lstrip("_") if filename.startswith(_PACKAGE) else True
+    return False
+
+
+# What each code object on the way is (a loop repeats its calls: its frames are known),
+# and the `UserCall` of each (user frame, line, entry): a dict lookup per frame instead
+# of prefix tests, and no string built per call. Both are emptied when full.
+_KINDS: dict[CodeType, str | bool] = {}
+_CALLS: dict[tuple[CodeType, int, str], UserCall] = {}
+
+
 def user_call() -> UserCall:
     """The outermost frame of this library below the user's code, and the user's
     ``file.py:line`` (the first frame outside this library, torch, the standard
     library and installed packages), from the calling thread's stack."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     entry = "?"
+    kinds = _KINDS
     while frame is not None:
-        filename = frame.f_code.co_filename
-        if filename.startswith(_SKIPPED) or filename.startswith("<frozen "):
-            if filename.startswith(_PACKAGE):
-                entry = frame.f_code.co_qualname.lstrip("_")
-            frame = frame.f_back  # type: ignore[assignment]
-            continue
-        return UserCall(_FRIENDLY.get(entry, entry),
-                        f"{os.path.basename(filename)}:{frame.f_lineno}")
+        code = frame.f_code
+        kind = kinds.get(code)
+        if kind is None:
+            if len(kinds) >= 4096:
+                kinds.clear()
+            kind = kinds[code] = _frame_kind(code)
+        if kind is False:
+            key = (code, frame.f_lineno, entry)
+            known = _CALLS.get(key)
+            if known is None:
+                if len(_CALLS) >= 4096:
+                    _CALLS.clear()
+                known = _CALLS[key] = UserCall(
+                    _FRIENDLY.get(entry, entry),
+                    f"{os.path.basename(code.co_filename)}:{frame.f_lineno}")
+            return known
+        if kind is not True:
+            entry = kind  # (a str: this library's entry)
+        frame = frame.f_back
     return UserCall(_FRIENDLY.get(entry, entry), "?")
 
 
@@ -130,9 +159,14 @@ class CallLedger:
         self.index = 0
 
     def phase_text(self) -> str:
-        if self.in_run:
-            return f"in run {self.run}"
-        return f"after run {self.run}" if self.run else "before the first run"
+        return self.describe_phase(self.in_run, self.run)
+
+    @staticmethod
+    def describe_phase(in_run: bool, run: int) -> str:
+        """``in run 3``, ``after run 3`` or ``before the first run``."""
+        if in_run:
+            return f"in run {run}"
+        return f"after run {run}" if run else "before the first run"
 
     def enter(self, key: str, wire: Wire) -> tuple[int, Wire | None]:
         """A call starts: its number, and the predicted wire sizes of the next one."""

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ..devices import Device
 from ..topology import Topology
 from . import trailer
-from .call_identity import CallLedger, JobLink, Wire, identity_hash, user_call
+from .call_identity import CallLedger, JobLink, UserCall, Wire, identity_hash, user_call
 from .watch import CallWatch, short
 
 __all__ = ["GATHER", "HEAD", "CrossWorkerCalls", "PendingCall"]
@@ -69,8 +69,7 @@ class CrossWorkerCalls:
             key = self._keys[known] = f"{ledger.in_run}|{who}|{what}|{wire}"
         index = ledger.index + 1
         seq, prediction = ledger.enter(key, wire)
-        text = (f"{who.entry}({short(what)}) at {who.site} (collective {index} "
-                f"{ledger.phase_text()})")
+        text = _CallText(who, what, index, ledger.in_run, ledger.run)
         if self._job is not None:
             self._job.note_progress(seq, seq - 1)
             self.watch.fail_if_gone(seq, text)
@@ -213,7 +212,7 @@ class CrossWorkerCalls:
                                              async_op=True))
         return works
 
-    def _round(self, row: list[int], works: list[Any], seq: int, text: str
+    def _round(self, row: list[int], works: list[Any], seq: int, text: object
                ) -> list[list[int]]:
         """All-gathers ``row`` (before ``works``' results are awaited) -> the table."""
         header = torch.tensor(row, dtype=torch.int64, device=self._wire.torch_device)
@@ -223,7 +222,7 @@ class CrossWorkerCalls:
         table: list[list[int]] = torch.stack(rows).tolist()
         return table
 
-    def _verified(self, table: list[list[int]], seq: int, text: str) -> list[list[int]]:
+    def _verified(self, table: list[list[int]], seq: int, text: object) -> list[list[int]]:
         ledger = self._ledger
         if any(r[0] != table[0][0] for r in table):
             self.watch.mismatch(seq, text)
@@ -248,6 +247,24 @@ def _direct_all_reduce(group: Any) -> tuple[Any, dict[str, Any]] | None:
     except (AttributeError, RuntimeError):
         return None
     return (pg, options) if hasattr(pg, "allreduce") else None
+
+
+class _CallText:
+    """A call's name for messages (``entry(what) at site (collective k in run r)``),
+    formatted only when a message needs it: most calls never fail."""
+
+    __slots__ = ("_in_run", "_index", "_run", "_what", "_who")
+
+    def __init__(self, who: UserCall, what: str, index: int, in_run: bool, run: int) -> None:
+        self._who, self._what, self._index = who, what, index
+        self._in_run, self._run = in_run, run  # (the ledger's, as this call started)
+
+    def __str__(self) -> str:
+        return (f"{self._who.entry}({short(self._what)}) at {self._who.site} (collective "
+                f"{self._index} {CallLedger.describe_phase(self._in_run, self._run)})")
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
 
 
 class PendingCall:

@@ -25,6 +25,7 @@ unusable (workers are out of step); the job should restart.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,6 +47,7 @@ from .watch import CallWatch
 __all__ = ["CHUNKS", "CHUNK_MIN_BYTES", "DistributedCommunicator", "OverlappedSum"]
 
 _HOST = Device("CPU", 0)
+_META = operator.attrgetter("shape", "dtype", "device")  # what a call's plan depends on
 # A pack of CHUNK_MIN_BYTES or more crosses the workers as CHUNKS collectives of one
 # call (measured on 2 workers over loopback Gloo, 16 and 64 MiB: 1.03-1.07x a raw
 # in-place all-reduce, against 1.3-1.5x for one copy followed by one collective),
@@ -115,6 +117,11 @@ class DistributedCommunicator:
             job, self._ledger, topology.worker_index, timeout_seconds), job, check_calls,
             topology, self._wire_device(topology, group))
         self._wire = self._wire_device(topology, group)  # where cross-worker data travels
+        self._wire_torch = self._wire.torch_device
+        # The destinations that are the wire's device itself: results need no copy.
+        self._home = topology.devices if (
+            len(topology.devices) == 1
+            and topology.devices[0].torch_device == self._wire_torch) else None
         self._plans: dict[tuple[Any, ...], Any] = {}
 
     @staticmethod
@@ -137,8 +144,7 @@ class DistributedCommunicator:
         see `Communicator.reduce_packed`."""
         first = per_replica[0]
         # A training loop repeats its calls: their packs and description are kept.
-        key = (reduce_op, bytes_per_pack, *((t.shape, t.dtype, t.device, id(destinations[k]))
-                                            for k, t in enumerate(first)))
+        key = (reduce_op, bytes_per_pack, *map(_META, first), *map(id, destinations))
         known = self._plans.get(key)
         if known is None:
             known = _plan(reduce_op, first, destinations, bytes_per_pack,
@@ -146,8 +152,8 @@ class DistributedCommunicator:
             if len(self._plans) >= 256:
                 self._plans.clear()
             self._plans[key] = known
-        packs, what, sizes, wire = known
-        kind = reduce_op.name.lower()
+        packs, what, sizes, wire, kind = known
+        device = self._wire_torch
         views, data, fills = [], [], []
         for members, (n, dtype, extra, exact) in zip(packs, sizes, strict=True):
             leaves = [first[m] for m in members]
@@ -160,9 +166,10 @@ class DistributedCommunicator:
                 source = leaves
             # Results live in a pooled buffer (the check's trailer at its end); the
             # data reach it by one copy, chunk by chunk as the chunks are launched.
-            buffer = default_pool().empty((n + extra,), dtype, self._wire.torch_device)
-            shaped = packing.unpack(buffer[:n], leaves)  # the results, shaped
-            views.append((buffer[:n], shaped))
+            buffer = default_pool().empty((n + extra,), dtype, device)
+            payload = buffer[:n]
+            shaped = packing.unpack(payload, leaves)  # the results, shaped
+            views.append((payload, shaped))
             chunks = _chunks(buffer, n, extra, source, shaped, split=exact)
             if extra:  # the trailer's chunk goes first (`CrossWorkerCalls`)
                 chunks.insert(0, chunks.pop())
@@ -173,10 +180,13 @@ class DistributedCommunicator:
             wire.extend((kind, str(b.dtype), b.numel()) for b in data)
         self._calls.call(what, tuple(wire), data, fill=lambda i: fills[i]())
         out: list[list[torch.Tensor]] = [[] for _ in first]
+        home = self._home
         for members, (payload, shaped) in zip(packs, views, strict=True):
-            like = [first[m] for m in members]
-            for flat in self._copies(payload, destinations[members[0]]):
-                parts = shaped if flat is payload else packing.unpack(flat, like)
+            devices = destinations[members[0]]
+            # (this worker's one device, where the data travel: the results as they are)
+            for flat in (payload,) if devices is home else self._copies(payload, devices):
+                parts = shaped if flat is payload else packing.unpack(
+                    flat, [first[m] for m in members])
                 for m, part in zip(members, parts, strict=True):
                     out[m].append(part)
         return out
@@ -306,9 +316,9 @@ class DistributedCommunicator:
 def _plan(reduce_op: ReduceOp, first: Sequence[torch.Tensor],
           destinations: Sequence[tuple[Device, ...]], bytes_per_pack: int, workers: int,
           check: bool) -> tuple[list[list[int]], str, list[tuple[int, torch.dtype, int, bool]],
-                                list[tuple[str, str, int]]]:
+                                list[tuple[str, str, int]], str]:
     """A call's packs, description, per pack (elements, dtype, trailer, whether it may
-    travel in chunks), and its wire sizes (filled by its first call)."""
+    travel in chunks), its wire sizes (filled by its first call) and its kind."""
     packs = packing.plan([t.numel() * t.element_size() for t in first],
                          [(t.dtype, t.device, id(destinations[k]))
                           for k, t in enumerate(first)], bytes_per_pack)
@@ -322,7 +332,7 @@ def _plan(reduce_op: ReduceOp, first: Sequence[torch.Tensor],
         # element's floats (its position in the transfer): then one collective.
         exact = kind != "sum" or workers <= 2 or not dtype.is_floating_point
         sizes.append((sum(first[m].numel() for m in members), dtype, extra, exact))
-    return packs, what, sizes, []
+    return packs, what, sizes, [], kind
 
 
 def _chunks(buffer: torch.Tensor, n: int, extra: int,

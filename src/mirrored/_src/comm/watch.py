@@ -36,7 +36,7 @@ class CallWatch:
         self._me = me
         self._timeout = timeout
 
-    def wait(self, works: list[Any], seq: int, text: str) -> None:
+    def wait(self, works: list[Any], seq: int, text: object) -> None:
         """Waits for ``works``, bounded by the timeout and watched through the job."""
         start = time.monotonic()
         deadline = None if self._timeout is None else start + self._timeout
@@ -60,7 +60,7 @@ class CallWatch:
                         f"{text} (collective #{seq}) for peers that never joined"
                         f"{self._progress_text()}"))
 
-    def _broken_link(self, error: RuntimeError, seq: int, text: str, waited: float
+    def _broken_link(self, error: RuntimeError, seq: int, text: object, waited: float
                      ) -> NoReturn:
         """A collective failed in the process group. At the group's own timeout (longer
         than the job's, so only a longer per-call timeout or none meets it) that is a
@@ -84,9 +84,11 @@ class CallWatch:
             f"{text} (collective #{seq}) failed on worker {self._me}: the "
             f"process group failed ({type(error).__name__}: {short(str(error), 300)})"), error)
 
-    def fail_if_gone(self, seq: int, text: str, cause: BaseException | None = None) -> None:
+    def fail_if_gone(self, seq: int, text: object, cause: BaseException | None = None) -> None:
         assert self._job is not None  # callers check; not user input
         dead, left = self._job.gone()
+        if not dead and not left:  # (every call asks: the common answer first)
+            return
         me = self._me
         if dead:
             names = ", ".join(str(r) for r in dead)
@@ -112,10 +114,10 @@ class CallWatch:
                 f"{listing}, but worker {me} called {text} as collective #{seq}: a worker "
                 "skipped a collective the others made"), cause)
 
-    def mismatch(self, seq: int, text: str) -> NoReturn:
-        calls = {self._me: text}
+    def mismatch(self, seq: int, text: object) -> NoReturn:
+        calls = {self._me: str(text)}
         if self._job is not None:  # ask every worker what it called (only on mismatch)
-            calls = self._job.share(f"call-{seq}", text, 2.0)
+            calls = self._job.share(f"call-{seq}", str(text), 2.0)
         listing = "; ".join(f"worker {r}: {c}" for r, c in sorted(calls.items()))
         self.fail(CollectiveMismatchError(
             f"workers made different calls as collective #{seq} (a different call, site, "

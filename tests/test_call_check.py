@@ -149,12 +149,27 @@ def test_the_user_call_names_each_line_of_the_users_code_and_is_kept_per_line():
 
 
 def test_the_user_call_skips_this_librarys_frames_and_names_its_entry():
-    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    strategy = mirrored.MirroredStrategy(["CPU:0"])  # (its one replica: on this thread)
+    seen = []
     for _ in range(2):  # the second time from what is kept
         site = f"test_call_check.py:{sys._getframe().f_lineno + 1}"
-        seen = strategy.run(user_call)  # the library calls it: its frames are skipped
-        assert {str(c) for c in strategy.experimental_local_results(seen)} == {
-            f"Strategy.run at {site}"}
+        seen.append(strategy.run(user_call))  # the library calls it: its frames are skipped
+        assert str(seen[-1]) == f"Strategy.run at {site}"
+    assert seen[1] is seen[0]
+
+
+def test_equal_functions_in_two_files_are_two_sites(tmp_path):
+    # Code objects compare equal by value, whatever their file: each keeps its own site.
+    source = "def step(call):\n    return call()\n"
+    steps = []
+    for name in ("train_a.py", "train_b.py"):
+        scope: dict[str, object] = {}
+        exec(compile(source, str(tmp_path / name), "exec"), scope)
+        steps.append(scope["step"])
+    assert steps[0].__code__ == steps[1].__code__  # (what a cache keyed by value would merge)
+    for _ in range(2):
+        assert [str(step(user_call)) for step in steps] == ["? at train_a.py:2",
+                                                            "? at train_b.py:2"]
 
 
 def test_a_calls_text_is_formatted_when_a_message_needs_it():

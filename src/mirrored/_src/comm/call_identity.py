@@ -87,9 +87,12 @@ def _frame_kind(code: CodeType) -> str | bool:
 
 # What each code object on the way is (a loop repeats its calls: its frames are known),
 # and the `UserCall` of each (user frame, line, entry): a dict lookup per frame instead
-# of prefix tests, and no string built per call. Both are emptied when full.
-_KINDS: dict[CodeType, str | bool] = {}
-_CALLS: dict[tuple[CodeType, int, str], UserCall] = {}
+# of prefix tests, and no string built per call. Keyed by the code object's id, with
+# the object kept and compared by identity: code objects compare equal by value
+# (neither their file nor their name counts), so one function copied into two files
+# must not share the other's site. Both are emptied when full.
+_KINDS: dict[int, tuple[CodeType, str | bool]] = {}
+_CALLS: dict[tuple[int, int, str], tuple[CodeType, UserCall]] = {}
 
 
 def user_call() -> UserCall:
@@ -101,21 +104,25 @@ def user_call() -> UserCall:
     kinds = _KINDS
     while frame is not None:
         code = frame.f_code
-        kind = kinds.get(code)
-        if kind is None:
+        known_kind = kinds.get(id(code))
+        if known_kind is not None and known_kind[0] is code:
+            kind = known_kind[1]
+        else:
             if len(kinds) >= 4096:
                 kinds.clear()
-            kind = kinds[code] = _frame_kind(code)
+            kind = _frame_kind(code)
+            kinds[id(code)] = (code, kind)
         if kind is False:
-            key = (code, frame.f_lineno, entry)
+            key = (id(code), frame.f_lineno, entry)
             known = _CALLS.get(key)
-            if known is None:
-                if len(_CALLS) >= 4096:
-                    _CALLS.clear()
-                known = _CALLS[key] = UserCall(
-                    _FRIENDLY.get(entry, entry),
-                    f"{os.path.basename(code.co_filename)}:{frame.f_lineno}")
-            return known
+            if known is not None and known[0] is code:
+                return known[1]
+            if len(_CALLS) >= 4096:
+                _CALLS.clear()
+            call = UserCall(_FRIENDLY.get(entry, entry),
+                            f"{os.path.basename(code.co_filename)}:{frame.f_lineno}")
+            _CALLS[key] = (code, call)
+            return call
         if kind is not True:
             entry = kind  # (a str: this library's entry)
         frame = frame.f_back

@@ -81,8 +81,6 @@ class CrossWorkerCalls:
             self.watch.wait(self._launch(wire, data, fill), seq, text)  # unchecked: data only
             self._done(seq)
             return []
-        row = [ident, predicted, 0, flag, value, *sizes]
-        row += [0] * (HEAD + self._local_replicas - len(row))
         if agreed is not None and agreed != GATHER:
             inside = self._trailer_length(agreed)  # the check rides in the data
             if agreed == wire:  # header and data together
@@ -105,7 +103,8 @@ class CrossWorkerCalls:
                         self._done(seq)
                         return []
                 else:
-                    table = self._round(row, self._launch(wire, data, fill), seq, text)
+                    table = self._round(self._row(ident, predicted, flag, value, sizes),
+                                        self._launch(wire, data, fill), seq, text)
                     if not any(r[2] for r in table):
                         return self._verified(table, seq, text)
             else:  # zeros of the agreed sizes, so that every worker sends what it expects
@@ -115,9 +114,10 @@ class CrossWorkerCalls:
                     trailer.write(dummy[0], agreed[0][0], self._world, (ident, 0, 1))
                     self.watch.wait(self._launch(agreed, dummy), seq, text)
                 else:
-                    self._round([*row[:2], 1, *row[3:]], self._launch(agreed, dummy), seq,
-                                text)
-        table = self._verified(self._round(row, [], seq, text), seq, text)
+                    self._round(self._row(ident, predicted, flag, value, sizes, miss=1),
+                                self._launch(agreed, dummy), seq, text)
+        table = self._verified(self._round(self._row(ident, predicted, flag, value, sizes), [],
+                                           seq, text), seq, text)
         if wire != GATHER and data:  # (refilled: a miss above may have reduced them)
             self.watch.wait(self._launch(wire, data, fill), seq, text)
         return table
@@ -168,6 +168,12 @@ class CrossWorkerCalls:
             if pending.seq == ledger.seq:  # the latest call: its prediction may stand
                 ledger.agreed = ledger.predicted if guess == pending.predicted != 0 else None
         self._done(pending.seq)
+
+    def _row(self, ident: int, predicted: int, flag: int, value: int, sizes: Sequence[int],
+             miss: int = 0) -> list[int]:
+        """This worker's header row (`HEAD` fields, then one size per local replica)."""
+        row = [ident, predicted, miss, flag, value, *sizes]
+        return row + [0] * (HEAD + self._local_replicas - len(row))
 
     def _wire_hash(self, wire: Wire) -> int:
         """``identity_hash`` of a predicted call's wire sizes (cached: a loop repeats)."""

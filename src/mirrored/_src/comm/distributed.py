@@ -176,9 +176,9 @@ class DistributedCommunicator:
             for chunk, fill in chunks:
                 data.append(chunk)
                 fills.append(fill)
-        if not wire:  # (the same for every call of this plan)
-            wire.extend((kind, str(b.dtype), b.numel()) for b in data)
-        self._calls.call(what, tuple(wire), data, fill=lambda i: fills[i]())
+        if not wire:  # (the same for every call of this plan: kept as a tuple)
+            wire.append(tuple((kind, str(b.dtype), b.numel()) for b in data))
+        self._calls.call(what, wire[0], data, fill=lambda i: fills[i]())
         out: list[list[torch.Tensor]] = [[] for _ in first]
         home = self._home
         for members, (payload, shaped) in zip(packs, views, strict=True):
@@ -316,9 +316,10 @@ class DistributedCommunicator:
 def _plan(reduce_op: ReduceOp, first: Sequence[torch.Tensor],
           destinations: Sequence[tuple[Device, ...]], bytes_per_pack: int, workers: int,
           check: bool) -> tuple[list[list[int]], str, list[tuple[int, torch.dtype, int, bool]],
-                                list[tuple[str, str, int]], str]:
+                                list[tuple[tuple[str, str, int], ...]], str]:
     """A call's packs, description, per pack (elements, dtype, trailer, whether it may
-    travel in chunks), its wire sizes (filled by its first call) and its kind."""
+    travel in chunks), its wire sizes (a list the first call puts them in) and its
+    kind."""
     packs = packing.plan([t.numel() * t.element_size() for t in first],
                          [(t.dtype, t.device, id(destinations[k]))
                           for k, t in enumerate(first)], bytes_per_pack)

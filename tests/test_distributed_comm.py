@@ -466,3 +466,26 @@ def test_a_peer_killed_before_a_large_sum_is_named() -> None:
     message, workers, elapsed = value
     assert workers == (1,) and message.startswith("worker 1 failed"), message
     assert elapsed < 3.0 + 5.0
+
+
+def _half_then_different(comm: DistributedCommunicator, topology: Topology) -> Any:
+    # float16 carries no trailer: its check is a header all-gathered beside the data.
+    x = torch.full((6,), 1.5 + topology.worker_index, dtype=torch.float16)
+    sums = [comm.reduce_packed(ReduceOp.SUM, [[x]], [topology.devices], 0)[0][0]
+            for _ in range(3)]  # the second and third travel with their agreed header
+    size = 6 if topology.worker_index == 0 else 7  # then worker 1 misses the agreed sizes
+    try:
+        comm.reduce_packed(ReduceOp.SUM, [[torch.ones(size, dtype=torch.float16)]],
+                           [topology.devices], 0)
+    except Exception as error:  # (reported to the test)
+        return [s.tolist() for s in sums], type(error).__name__, str(error)
+    return [s.tolist() for s in sums], None, ""
+
+
+@pytest.mark.timeout(90)
+def test_half_precision_sums_travel_with_a_header_and_a_missed_size_is_a_mismatch() -> None:
+    for sums, error, message in _values(_spawn(_half_then_different, 2, timeout_seconds=20), 2):
+        assert sums == [[4.0] * 6] * 3  # 1.5 + 2.5 on every call, exact in float16
+        assert error == "CollectiveMismatchError", message
+        assert "collective #4" in message and "no data of it was used" in message
+        assert "worker 1: DistributedCommunicator.reduce_packed(SUM of float16[7])" in message

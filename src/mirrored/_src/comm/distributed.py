@@ -180,11 +180,8 @@ class DistributedCommunicator:
             wire.append(tuple((kind, str(b.dtype), b.numel()) for b in data))
         self._calls.call(what, wire[0], data, fill=lambda i: fills[i]())
         out: list[list[torch.Tensor]] = [[] for _ in first]
-        home = self._home
         for members, (payload, shaped) in zip(packs, views, strict=True):
-            devices = destinations[members[0]]
-            # (this worker's one device, where the data travel: the results as they are)
-            for flat in (payload,) if devices is home else self._copies(payload, devices):
+            for flat in self._copies(payload, destinations[members[0]]):
                 parts = shaped if flat is payload else packing.unpack(
                     flat, [first[m] for m in members])
                 for m, part in zip(members, parts, strict=True):
@@ -307,7 +304,10 @@ class DistributedCommunicator:
         return self._copies(pending.sum, self._topology.devices)
 
     def _copies(self, tensor: torch.Tensor, devices: Sequence[Device]) -> list[torch.Tensor]:
-        """``tensor`` itself for the first destination when it already lives there."""
+        """``tensor`` (on the wire's device, as every result here is) itself for the first
+        destination when it already lives there."""
+        if devices is self._home:  # this worker's one device, the wire's: nothing to copy
+            return [tensor]
         if devices and devices[0].torch_device == tensor.device:
             return [tensor, *self._local.broadcast_to_devices(tensor, devices[1:])]
         return self._local.broadcast_to_devices(tensor, devices)

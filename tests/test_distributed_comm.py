@@ -489,3 +489,38 @@ def test_half_precision_sums_travel_with_a_header_and_a_missed_size_is_a_mismatc
         assert error == "CollectiveMismatchError", message
         assert "collective #4" in message and "no data of it was used" in message
         assert "worker 1: DistributedCommunicator.reduce_packed(SUM of float16[7])" in message
+
+
+def _counts_then_different(comm: DistributedCommunicator, topology: Topology) -> Any:
+    # One count (compute_average_loss's) travels in the header row itself; several
+    # counts, in an int64 all-reduce. Alternated with a float sum, as a training loop
+    # alternates the step's example count with its gradients (the predictions agree).
+    me = topology.worker_index
+    got = []
+    for step in range(4):
+        got.append(comm.sum_counts([[3 * me + step]]))
+        got.append(comm.sum_counts([[me, 10 * me + step]]))
+        comm.reduce_packed(ReduceOp.SUM, [[torch.ones(5)]], [topology.devices], 0)
+    try:  # then worker 1 sums a tensor where worker 0 sums a count
+        if me == 0:
+            comm.sum_counts([[7]])
+        else:
+            comm.reduce_packed(ReduceOp.SUM, [[torch.ones(1, dtype=torch.int64)]],
+                               [topology.devices], 0)
+    except Exception as error:  # (reported to the test)
+        return got, type(error).__name__, str(error)
+    return got, None, ""
+
+
+@pytest.mark.timeout(90)
+def test_example_counts_are_exact_and_a_count_against_a_sum_is_a_mismatch() -> None:
+    for got, error, message in _values(_spawn(_counts_then_different, 3, timeout_seconds=20),
+                                       3):
+        # worker w's counts: 3w + step (one value); w and 10w + step (two values)
+        assert got == [v for step in range(4)
+                       for v in ([9 + 3 * step], [3, 30 + 3 * step])], got
+        assert error == "CollectiveMismatchError", message
+        assert "collective #13" in message and "no data of it was used" in message
+        assert "worker 0: DistributedCommunicator.sum_counts(the step's example count)" in (
+            message), message
+        assert "worker 1: DistributedCommunicator.reduce_packed(SUM of int64[1])" in message

@@ -22,6 +22,8 @@ __all__ = ["GATHER", "HEAD", "CrossWorkerCalls", "PendingCall"]
 _DIST_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 HEAD = 5  # identity, prediction, miss, flag, value; then one size per local replica
 GATHER: Wire = (("gather", "", 0),)  # sizes known only from the header
+# One flat all-gather of the header rows (torch 2.13 renamed all_gather_into_tensor).
+_GATHER_INTO = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class CrossWorkerCalls:
@@ -222,11 +224,12 @@ class CrossWorkerCalls:
                ) -> list[list[int]]:
         """All-gathers ``row`` (before ``works``' results are awaited) -> the table."""
         header = torch.tensor(row, dtype=torch.int64, device=self._wire.torch_device)
-        rows = [torch.empty_like(header) for _ in range(self._world)]
-        gathered = dist.all_gather(rows, header, group=self._group, async_op=True)
+        n = len(row)
+        rows = torch.empty(self._world * n, dtype=torch.int64, device=header.device)
+        gathered = _GATHER_INTO(rows, header, group=self._group, async_op=True)
         self.watch.wait([gathered, *works], seq, text)
-        table: list[list[int]] = torch.stack(rows).tolist()
-        return table
+        flat = rows.tolist()
+        return [flat[i:i + n] for i in range(0, len(flat), n)]
 
     def _verified(self, table: list[list[int]], seq: int, text: object) -> list[list[int]]:
         ledger = self._ledger

@@ -219,8 +219,14 @@ class DistributedCommunicator:
 
     def sum_counts(self, per_replica: Sequence[Sequence[int]]) -> list[int]:
         """Global element counts (``per_replica[r][k]``: local replica ``r``'s count of
-        value ``k``): one int64 all-reduce SUM, checked like every call."""
+        value ``k``), checked like every call: one count (``compute_average_loss``'s)
+        travels in the header row itself (one small all-gather, where Gloo's ring
+        all-reduce of the count and its 14-element trailer takes two rounds: see
+        docs/multi_worker.md), several in one int64 all-reduce SUM."""
         local = [sum(counts) for counts in zip(*per_replica, strict=True)]
+        if len(local) == 1:
+            table = self._calls.call("the step's example count", (), [], value=local[0])
+            return [sum(row[4] for row in table)]
         extra = trailer.length("sum", torch.int64, self._topology.num_workers
                                ) if self._check else 0
         totals = torch.zeros(len(local) + extra, dtype=torch.int64,

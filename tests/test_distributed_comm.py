@@ -7,6 +7,7 @@ single-process reference built from the same closed-form inputs.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import pickle
@@ -491,36 +492,59 @@ def test_half_precision_sums_travel_with_a_header_and_a_missed_size_is_a_mismatc
         assert "worker 1: DistributedCommunicator.reduce_packed(SUM of float16[7])" in message
 
 
-def _counts_then_different(comm: DistributedCommunicator, topology: Topology) -> Any:
+def _counts_then_different(comm: DistributedCommunicator, topology: Topology, final: str,
+                           flat: bool) -> Any:
     # One count (compute_average_loss's) travels in the header row itself; several
-    # counts, in an int64 all-reduce. Alternated with a float sum, as a training loop
-    # alternates the step's example count with its gradients (the predictions agree).
+    # counts, in an int64 all-reduce; looped with a float32 sum (its check rides in the
+    # data) and a float16 sum (header beside the data), as a training loop repeats its
+    # calls: the predictions agree from the second step on.
+    if not flat:  # a torch whose Gloo lacks the flat all-gather: header rows as a list
+        from mirrored._src.comm import cross_call
+
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("no support for _allgather_base in Gloo process group")
+        cross_call._GATHER_INTO = refuse
     me = topology.worker_index
     got = []
+
+    def sums(dtype: torch.dtype, n: int) -> None:
+        comm.reduce_packed(ReduceOp.SUM, [[torch.ones(n, dtype=dtype)]], [topology.devices], 0)
     for step in range(4):
         got.append(comm.sum_counts([[3 * me + step]]))
         got.append(comm.sum_counts([[me, 10 * me + step]]))
-        comm.reduce_packed(ReduceOp.SUM, [[torch.ones(5)]], [topology.devices], 0)
-    try:  # then worker 1 sums a tensor where worker 0 sums a count
+        sums(torch.float32, 5)
+        sums(torch.float16, 6)
+    got.append(comm.sum_counts([[3 * me + 4]]))
+    got.append(comm.sum_counts([[me, 10 * me + 4]]))
+    try:  # worker 0 sums a count where the others make the predicted data call
+        if final == "float16":
+            sums(torch.float32, 5)
         if me == 0:
             comm.sum_counts([[7]])
         else:
-            comm.reduce_packed(ReduceOp.SUM, [[torch.ones(1, dtype=torch.int64)]],
-                               [topology.devices], 0)
+            sums(getattr(torch, final), 5 if final == "float32" else 6)
     except Exception as error:  # (reported to the test)
         return got, type(error).__name__, str(error)
     return got, None, ""
 
 
 @pytest.mark.timeout(90)
-def test_example_counts_are_exact_and_a_count_against_a_sum_is_a_mismatch() -> None:
-    for got, error, message in _values(_spawn(_counts_then_different, 3, timeout_seconds=20),
-                                       3):
-        # worker w's counts: 3w + step (one value); w and 10w + step (two values)
-        assert got == [v for step in range(4)
-                       for v in ([9 + 3 * step], [3, 30 + 3 * step])], got
+@pytest.mark.parametrize(("final", "flat", "world"), [("float32", True, 3),
+                                                      ("float16", False, 2)])
+def test_example_counts_are_exact_and_a_count_for_a_predicted_sum_is_a_mismatch(
+        final: str, flat: bool, world: int) -> None:
+    got = _values(_spawn(functools.partial(_counts_then_different, final=final, flat=flat),
+                         world, timeout_seconds=20), world)
+    w = sum(range(world))
+    for counts, error, message in got:
+        # worker k's counts: 3k + step (one value); k and 10k + step (two values)
+        assert counts == [v for step in range(5)
+                          for v in ([3 * w + world * step], [w, 10 * w + world * step])]
         assert error == "CollectiveMismatchError", message
-        assert "collective #13" in message and "no data of it was used" in message
-        assert "worker 0: DistributedCommunicator.sum_counts(the step's example count)" in (
+        index = 19 if final == "float32" else 20
+        assert f"collective #{index}" in message and "no data of it was used" in message
+        assert "worker 0: DistributedCommunicator.sum_counts(element count of 1 value)" in (
             message), message
-        assert "worker 1: DistributedCommunicator.reduce_packed(SUM of int64[1])" in message
+        size = 5 if final == "float32" else 6
+        assert f"worker 1: DistributedCommunicator.reduce_packed(SUM of {final}[{size}])" in (
+            message), message

@@ -17,12 +17,15 @@ from . import trailer
 from .call_identity import CallLedger, JobLink, UserCall, Wire, identity_hash, user_call
 from .watch import CallWatch, short
 
-__all__ = ["GATHER", "HEAD", "CrossWorkerCalls", "PendingCall"]
+__all__ = ["GATHER", "HEAD", "VALUE", "CrossWorkerCalls", "PendingCall"]
 
 _DIST_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 HEAD = 5  # identity, prediction, miss, flag, value; then one size per local replica
+VALUE = 4  # the header's value field (a count, a vote's int)
 GATHER: Wire = (("gather", "", 0),)  # sizes known only from the header
-# One flat all-gather of the header rows (torch 2.13 renamed all_gather_into_tensor).
+# One flat all-gather of the header rows (torch 2.13 deprecates all_gather_into_tensor
+# in favour of all_gather_single); the list form where a backend has neither
+# (`_gather_rows`).
 _GATHER_INTO = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
@@ -48,6 +51,7 @@ class CrossWorkerCalls:
         self._lengths: dict[tuple[str, str, int], int] = {}
         self._keys: dict[tuple[Any, ...], str] = {}
         self._direct = _direct_all_reduce(group)
+        self._flat_gather = True  # (see `_gather_rows`)
 
     def call(self, what: str, wire: Wire, data: list[torch.Tensor], *, flag: int = 0,
              value: int = 0, sizes: Sequence[int] = (),
@@ -224,12 +228,30 @@ class CrossWorkerCalls:
                ) -> list[list[int]]:
         """All-gathers ``row`` (before ``works``' results are awaited) -> the table."""
         header = torch.tensor(row, dtype=torch.int64, device=self._wire.torch_device)
-        n = len(row)
-        rows = torch.empty(self._world * n, dtype=torch.int64, device=header.device)
-        gathered = _GATHER_INTO(rows, header, group=self._group, async_op=True)
+        gathered, rows = self._gather_rows(header)
         self.watch.wait([gathered, *works], seq, text)
-        flat = rows.tolist()
+        if isinstance(rows, list):
+            table: list[list[int]] = torch.stack(rows).tolist()
+            return table
+        flat, n = rows.tolist(), len(row)
         return [flat[i:i + n] for i in range(0, len(flat), n)]
+
+    def _gather_rows(self, header: torch.Tensor) -> tuple[Any, torch.Tensor | list[torch.Tensor]]:
+        """Launches the all-gather of ``header`` -> (its work, the rows' tensor): one flat
+        tensor, or a list where the backend lacks the flat form (older torch's Gloo
+        refused it at launch with "no support for _allgather_base", before anything
+        was sent, alike on every worker)."""
+        if self._flat_gather:
+            rows = torch.empty(self._world * header.numel(), dtype=torch.int64,
+                               device=header.device)
+            try:
+                return _GATHER_INTO(rows, header, group=self._group, async_op=True), rows
+            except RuntimeError as error:
+                if "support" not in str(error):
+                    raise
+                self._flat_gather = False
+        parts = [torch.empty_like(header) for _ in range(self._world)]
+        return dist.all_gather(parts, header, group=self._group, async_op=True), parts
 
     def _verified(self, table: list[list[int]], seq: int, text: object) -> list[list[int]]:
         ledger = self._ledger

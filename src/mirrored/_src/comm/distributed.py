@@ -39,7 +39,7 @@ from ..topology import Topology
 from . import packing, trailer
 from .buffers import default_pool
 from .call_identity import CallLedger, JobLink
-from .cross_call import GATHER, HEAD, CrossWorkerCalls, PendingCall
+from .cross_call import GATHER, HEAD, VALUE, CrossWorkerCalls, PendingCall
 from .cross_device_ops import CrossDeviceOps
 from .host import concat
 from .watch import CallWatch
@@ -219,14 +219,15 @@ class DistributedCommunicator:
 
     def sum_counts(self, per_replica: Sequence[Sequence[int]]) -> list[int]:
         """Global element counts (``per_replica[r][k]``: local replica ``r``'s count of
-        value ``k``), checked like every call: one count (``compute_average_loss``'s)
-        travels in the header row itself (one small all-gather, where Gloo's ring
-        all-reduce of the count and its 14-element trailer takes two rounds: see
-        docs/multi_worker.md), several in one int64 all-reduce SUM."""
+        value ``k``), checked like every call: one count (``compute_average_loss``'s,
+        or a MEAN's along an axis) travels in the header row's ``value`` field (one
+        all-gather of a few int64: Gloo's ring all-reduce of a count and its
+        14-element trailer takes two rounds; see docs/multi_worker.md, "The step's
+        example count"), several in one int64 all-reduce SUM."""
         local = [sum(counts) for counts in zip(*per_replica, strict=True)]
         if len(local) == 1:
-            table = self._calls.call("the step's example count", (), [], value=local[0])
-            return [sum(row[4] for row in table)]
+            table = self._calls.call("element count of 1 value", (), [], value=local[0])
+            return [sum(row[VALUE] for row in table)]
         extra = trailer.length("sum", torch.int64, self._topology.num_workers
                                ) if self._check else 0
         totals = torch.zeros(len(local) + extra, dtype=torch.int64,
@@ -243,7 +244,7 @@ class DistributedCommunicator:
             ``comm.agree("steps", 5)`` on 2 workers gives ``[5, 5]``.
         """
         table = self._calls.call(f"agree({what})", (), [], value=int(value))
-        return [row[4] for row in table]
+        return [row[VALUE] for row in table]
 
     def broadcast_from_chief(self, tensors: Sequence[torch.Tensor]) -> None:
         """Overwrites ``tensors`` in place with worker 0's values (one broadcast per

@@ -24,7 +24,7 @@ Strategy level (``MultiWorkerMirroredStrategy``, one CPU replica per worker):
     examples/s against ``DistributedDataParallel`` on the same 2 processes, 11 rounds
     of one epoch each in rotating order; also the median of the per-round ratios with
     its 90 % bootstrap interval. Target: >= 1.0x (aim 1.2x). Also with
-    ``global_batch_size`` given (no count to sum).
+    ``global_batch_size`` given (no count to sum; not for the wide MLP).
     With ``mirror_optimizer(overlap=False)`` too (the same path for these one-bucket
     models: a second measurement of it), and the share of the bucket communication
     that ran during backward (``--training``: this part only, in rounds, with a wide
@@ -277,7 +277,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats")
     parser.add_argument("--training", action="store_true",
                         help="(f) only, in rounds: DDP, mirrored (default: overlap), "
-                             "mirrored with overlap=False")
+                             "mirrored with overlap=False, with global_batch_size given "
+                             "(CNN, MLP), in 4 MiB buckets (wide MLP)")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

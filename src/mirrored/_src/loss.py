@@ -18,10 +18,13 @@ def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = 
 
     Summing the result over replicas (what gradient all-reduce does) gives the
     mean over the global batch. With ``global_batch_size=None`` the divisor is the
-    true number of examples in this step across all replicas (one all-reduce of
-    the batch sizes), so partial and empty per-replica batches give exactly the
-    single-device mean (TF uses local size x replicas, which is wrong for uneven
-    splits). An all-empty step gives NaN, like ``torch.tensor([]).mean()``.
+    true number of examples in this step across all replicas (in one process the
+    replicas' sizes are met at their rendezvous; across workers one small checked
+    collective per step, its own meeting point: when every global batch has the same
+    size, pass ``global_batch_size`` to skip it), so partial and empty per-replica
+    batches give exactly the single-device mean (TF uses local size x replicas,
+    which is wrong for uneven splits). An all-empty step gives NaN, like
+    ``torch.tensor([]).mean()``.
 
     Args:
         per_example_loss: losses with a leading batch dimension (``[batch, ...]``;

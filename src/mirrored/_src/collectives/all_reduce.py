@@ -224,9 +224,10 @@ def all_reduce(parts: Parts, index: int, reduce_op: ReduceOp | str, value: Any,
 
 def sum_examples(parts: Parts, index: int, count: int, site: str) -> int:
     """The number of examples in this step over every replica (``count`` is local
-    replica ``index``'s): plain ints in one process, one checked int64 sum across
-    workers (``Communicator.sum_counts``), with none of a tensor all-reduce's planning,
-    packing and result copies. Used by ``compute_average_loss``."""
+    replica ``index``'s): plain ints in one process, one checked call across workers
+    (``Communicator.sum_counts``: the count in the header row), with none of a tensor
+    all-reduce's planning, packing and result copies. Used by
+    ``compute_average_loss``."""
     title = "compute_average_loss"
     refuse_in_merge_fn(parts, title, site)
     options = parts.options

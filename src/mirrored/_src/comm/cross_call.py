@@ -247,7 +247,7 @@ class CrossWorkerCalls:
             try:
                 return _GATHER_INTO(rows, header, group=self._group, async_op=True), rows
             except RuntimeError as error:
-                if "support" not in str(error):
+                if "no support" not in str(error):
                     raise
                 self._flat_gather = False
         parts = [torch.empty_like(header) for _ in range(self._world)]

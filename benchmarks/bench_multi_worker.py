@@ -173,10 +173,10 @@ def _training_figures(strategy: mirrored.Strategy, quick: bool, results: dict[st
     # compute_average_loss without global_batch_size (the docs' loop) sums the step's
     # example count across workers: one more small collective per step; given, none.
     epochs = {"ddp": ddp_epoch, "mirrored": mirrored_epoch, "no_overlap": plain_epoch}
-    if not small_buckets:  # (the wide MLP shows overlap; its rounds are long already)
-        epochs["given_batch"], _ = mirrored_epoch_fn(None, global_batch_size=2 * batch)
     if small_buckets:  # overlap forced into 4 MiB buckets (the default before 25 MiB)
         epochs["small_buckets"], opt = mirrored_epoch_fn(None, 4 << 20)
+    else:  # (the wide MLP shows overlap; its rounds are long already)
+        epochs["given_batch"], _ = mirrored_epoch_fn(None, global_batch_size=2 * batch)
     times: dict[str, list[float]] = {name: [] for name in epochs}
     # CPU seconds per epoch (main thread, whole process): robust under load, where the
     # wall clock also counts the time other processes hold the cores.

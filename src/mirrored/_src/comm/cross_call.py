@@ -228,30 +228,26 @@ class CrossWorkerCalls:
                ) -> list[list[int]]:
         """All-gathers ``row`` (before ``works``' results are awaited) -> the table."""
         header = torch.tensor(row, dtype=torch.int64, device=self._wire.torch_device)
-        gathered, rows = self._gather_rows(header)
-        self.watch.wait([gathered, *works], seq, text)
-        if isinstance(rows, list):
-            table: list[list[int]] = torch.stack(rows).tolist()
-            return table
+        rows = torch.empty(self._world * len(row), dtype=torch.int64, device=header.device)
+        self.watch.wait([self._gather_rows(rows, header), *works], seq, text)
         flat, n = rows.tolist(), len(row)
         return [flat[i:i + n] for i in range(0, len(flat), n)]
 
-    def _gather_rows(self, header: torch.Tensor) -> tuple[Any, torch.Tensor | list[torch.Tensor]]:
-        """Launches the all-gather of ``header`` -> (its work, the rows' tensor): one flat
-        tensor, or a list where the backend lacks the flat form (older torch's Gloo
-        refused it at launch with "no support for _allgather_base", before anything
-        was sent, alike on every worker)."""
+    def _gather_rows(self, rows: torch.Tensor, header: torch.Tensor) -> Any:
+        """Launches the all-gather of ``header`` into ``rows`` (worker ``w``'s row at
+        ``w * len``) -> its work: one flat collective, or the list form into views of
+        ``rows`` where the backend lacks the flat one (older torch's Gloo refused it at
+        launch with "no support for _allgather_base", before anything was sent, alike
+        on every worker)."""
         if self._flat_gather:
-            rows = torch.empty(self._world * header.numel(), dtype=torch.int64,
-                               device=header.device)
             try:
-                return _GATHER_INTO(rows, header, group=self._group, async_op=True), rows
+                return _GATHER_INTO(rows, header, group=self._group, async_op=True)
             except RuntimeError as error:
                 if "no support" not in str(error):
                     raise
                 self._flat_gather = False
-        parts = [torch.empty_like(header) for _ in range(self._world)]
-        return dist.all_gather(parts, header, group=self._group, async_op=True), parts
+        return dist.all_gather(list(rows.view(self._world, -1)), header, group=self._group,
+                               async_op=True)
 
     def _verified(self, table: list[list[int]], seq: int, text: object) -> list[list[int]]:
         ledger = self._ledger

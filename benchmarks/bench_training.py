@@ -18,7 +18,7 @@ SGD, in examples per second, as ratios against baselines measured in the same ru
     phases: compute (forward + backward, per replica), all-reduce (the mirrored
     ``step()`` minus the local optimizer step), optimizer step, and hand-off (the
     rest of ``run``: waking replica threads, waiting for the slowest, regrouping), and
-    the count all-reduce of ``compute_average_loss``.
+    the count exchange of ``compute_average_loss``.
 (d) the divergence check (``mirror_optimizer(check=...)``) on 2 replicas: the default
     ``"cheap"`` and the debugging ``"full"`` against ``"off"``, with an A/A pair.
     Target: < 2 %.
@@ -185,7 +185,7 @@ class Mirrored:
         t0 = time.perf_counter()
         per_example = F.cross_entropy(self.model(x), y, reduction="none")
         ta = time.perf_counter()
-        loss = mirrored.compute_average_loss(per_example)  # one all-reduce of the count
+        loss = mirrored.compute_average_loss(per_example)  # one exchange of the count
         tb = time.perf_counter()
         self.opt.zero_grad()
         loss.backward()

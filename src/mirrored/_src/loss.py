@@ -77,7 +77,7 @@ def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = 
                 replica.strategy.default_replica_context is replica):
             context.refuse_default_context_in_foreign_thread("compute_average_loss")
         return total / loss.shape[0]
-    # One exchange of plain ints (one checked int64 sum across workers); dividing by
+    # One exchange of plain ints (across workers one checked header-only call); dividing by
     # the int is bitwise the division by the count as a tensor of total's dtype.
     average: torch.Tensor = total / replica._sum_examples(loss.shape[0])
     return average

@@ -44,6 +44,7 @@ def _free_port() -> int:
 
 def _child(fn: Callable[..., Any], rank: int, world: int, local: int, port: int,
            options: dict[str, float], results: Any) -> None:
+    job = None
     try:
         job = Job.start(JobSpec(backend="gloo", rank=rank, world_size=world, master_port=port,
                                 timeout_seconds=30,
@@ -59,6 +60,8 @@ def _child(fn: Callable[..., Any], rank: int, world: int, local: int, port: int,
                                                   traceback.format_exc()))))
         results.close()
         results.join_thread()  # flush before leaving without teardown
+        if job is not None:  # what an exiting interpreter's finalizer does: the peers
+            job._departure()  # see the exit, worker 0 keeps its store up for them
         os._exit(0)  # the group may hold abandoned work: no clean teardown
     job.close()
 

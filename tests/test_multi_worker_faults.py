@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import mirrored
+from mirrored._src.cluster.process_group import Job
 from mirrored.cluster_resolver import SimpleClusterResolver
 from mirrored.experimental import CommunicationOptions
 
@@ -124,6 +125,10 @@ def test_a_diverging_worker_raises_on_every_worker_before_any_mixed_value_is_use
         # The user's call and its site, never internals.
         assert "reduce_packed" not in message and "any()" not in message
         assert "test_multi_worker_faults.py:" in message
+        # Every worker's call is listed, each read from the job's store.
+        for peer in range(3):
+            assert f"; worker {peer}: " in message or f"used: worker {peer}: " in message
+        assert "did not answer" not in message
     if kind == "chief-only":
         assert "worker 0: Strategy.reduce(SUM of float32[]) at test_multi_worker_faults.py:" \
             in reports[1]["error"]
@@ -132,6 +137,40 @@ def test_a_diverging_worker_raises_on_every_worker_before_any_mixed_value_is_use
         assert not list(tmp_path.glob("ckpt-*")), "a checkpoint was written from mixed steps"
         assert "CheckpointManager.save" in reports[0]["error"]
         assert "worker 2: Strategy.reduce" in reports[0]["error"]
+
+
+def _late_to_report() -> dict:
+    """Workers 0 and 1 make different calls; worker 1 is slow to publish its call for
+    the message (as a descheduled process is), so worker 0 lists it as silent and
+    closes first, while worker 1 still reads worker 0's call from worker 0's store."""
+    strategy = _strategy()
+    rank = strategy.cluster_resolver.worker_index
+    if rank == 1:
+        share = Job.share
+
+        def late(self, *args, **kwargs):
+            time.sleep(2.5)  # past the 2 s the peers wait for each other's calls
+            return share(self, *args, **kwargs)
+        Job.share = late
+    start = time.monotonic()
+    try:
+        strategy.reduce("SUM", torch.ones(2 + rank))
+        message = "no error"
+    except mirrored.CollectiveMismatchError as error:
+        message = str(error)
+    finally:
+        strategy.close()
+    return {"message": message, "closed_after": time.monotonic() - start}
+
+
+@pytest.mark.timeout(90)
+def test_the_chief_keeps_the_store_up_for_a_peer_still_reading_the_calls_after_an_error():
+    chief, late = mirrored.testing.run_multi_process(_late_to_report, 2, timeout=80)
+    assert "worker 0: Strategy.reduce(SUM of float32[2]) at test_multi_worker_faults.py:" \
+        in late["message"], late
+    assert "worker 1: Strategy.reduce(SUM of float32[3])" in late["message"], late
+    assert "worker 1: (did not answer within 2 s)" in chief["message"], chief
+    assert chief["closed_after"] >= late["closed_after"] - 1.0, (chief, late)
 
 
 # ---------------------------------------------------- deaths, departures, bounds

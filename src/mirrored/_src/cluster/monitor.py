@@ -53,6 +53,7 @@ class PeerMonitor:
         self.interval = min(1.0, max(0.05, failure_timeout / 10))
         self.started = 0  # collectives this worker has started / completed
         self.completed = 0
+        self.failed = False  # this worker's communication failed (see `stop`)
         self._store = store
         self._peers = [r for r in range(world_size) if r != rank]
         now = time.monotonic()
@@ -136,10 +137,12 @@ class PeerMonitor:
         """Stops beating; with ``announce``, tells the peers this worker left (on the
         exception named by ``reason``, if any) and which peers it saw die.
 
-        The ``host`` of the store (worker 0, outside torchrun) leaving after a death or
-        on an exception keeps the store up until every peer has left or is dead, at
-        most ``failure_timeout`` plus three beats: its peers read its record there, so
-        they name the dead worker rather than the host whose store vanished."""
+        The ``host`` of the store (worker 0, outside torchrun) leaving after a death, on
+        an exception, or after its communication ``failed`` (an error it caught, then
+        closed) keeps the store up until every peer has left or is dead, at most
+        ``failure_timeout`` plus three beats: its peers read its record and the calls
+        their own errors list there, so they name the dead worker rather than the host
+        whose store vanished."""
         self._stop.set()
         self._thread.join()
         if announce:
@@ -147,7 +150,7 @@ class PeerMonitor:
             with contextlib.suppress(Exception):  # the store is gone already
                 self._store.set(_key(self.rank),
                                 f"exit {self.started} {self.completed} {reason or '-'} {dead}")
-            if host and (self._dead or reason):
+            if host and (self._dead or reason or self.failed):
                 self._linger(time.monotonic() + self.failure_timeout + 3 * self.interval)
         self._store = None  # its connection closes now
 

@@ -38,12 +38,11 @@ _TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]
 _PrefixStore: Any = dist.PrefixStore  # type: ignore[attr-defined]
 _STORE_ERRORS = (dist.DistError, RuntimeError, OSError)
 _POLL = 0.05
+_BACKENDS = ("gloo", "nccl", "auto")
 _log = logging.getLogger("mirrored")
+T = TypeVar("T")
 
 __all__ = ["Job", "JobSpec"]
-
-_BACKENDS = ("gloo", "nccl", "auto")
-T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -224,27 +223,29 @@ class Job:
         self._monitor.completed = completed
 
     def gone(self) -> tuple[list[int], dict[int, tuple[int, int, str]]]:
-        """The dead peers, and the peers that left -> (started, completed collectives,
-        the exception each left on or "")."""
+        """Dead peers; peers that left -> (started, completed, the exception or "")."""
         return self._monitor.dead_peers(), self._monitor.left_peers()
 
     def progress(self) -> dict[int, int]:
         """Each peer's count of started collectives, as last seen."""
         return self._monitor.progress()
 
+    def note_failure(self) -> None:
+        """Worker 0 keeps the store up at its close (see `PeerMonitor.stop`)."""
+        self._monitor.failed = True
+
     def share(self, topic: str, text: str, wait_seconds: float) -> dict[int, str]:
         """Publishes ``text`` under ``topic`` and returns every worker's (those that
-        answer within ``wait_seconds``), for error messages."""
-        texts = {self.rank: text}
+        answer within ``wait_seconds`` in all), for error messages."""
+        store, texts = self._store.store, {self.rank: text}
         with contextlib.suppress(Exception):
-            self._store.store.set(f"share/{topic}/{self.rank}", text)
-        for r in range(self.world_size):
-            if r == self.rank:
-                continue
+            store.set(f"share/{topic}/{self.rank}", text)
+        give_up = time.monotonic() + wait_seconds
+        for r in (r for r in range(self.world_size) if r != self.rank):
             with contextlib.suppress(Exception):  # a peer that does not answer
-                key = f"share/{topic}/{r}"
-                self._store.store.wait([key], datetime.timedelta(seconds=wait_seconds))
-                texts[r] = self._store.store.get(key).decode()
+                left = datetime.timedelta(seconds=max(0.01, give_up - time.monotonic()))
+                store.wait([f"share/{topic}/{r}"], left)
+                texts[r] = store.get(f"share/{topic}/{r}").decode()
         return texts
 
     def close(self) -> None:

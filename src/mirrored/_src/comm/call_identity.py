@@ -60,6 +60,10 @@ class JobLink(Protocol):
         """Each peer's count of started collectives."""
         ...
 
+    def note_failure(self) -> None:
+        """This worker's communication failed (its store stays up for the peers)."""
+        ...
+
     def share(self, topic: str, text: str, wait_seconds: float) -> dict[int, str]:
         """Every worker's ``text`` for ``topic`` (for error messages)."""
         ...

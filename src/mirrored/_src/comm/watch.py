@@ -118,6 +118,8 @@ class CallWatch:
         calls = {self._me: str(text)}
         if self._job is not None:  # ask every worker what it called (only on mismatch)
             calls = self._job.share(f"call-{seq}", str(text), 2.0)
+            calls = {r: calls.get(r, "(did not answer within 2 s)")
+                     for r in range(self._job.world_size)}
         listing = "; ".join(f"worker {r}: {c}" for r, c in sorted(calls.items()))
         self.fail(CollectiveMismatchError(
             f"workers made different calls as collective #{seq} (a different call, site, "
@@ -134,5 +136,7 @@ class CallWatch:
     def fail(self, error: Exception, cause: BaseException | None = None) -> NoReturn:
         """Marks the strategy's calls broken and raises ``error``."""
         self._ledger.broken = f"{type(error).__name__}: {short(str(error), 300)}"
+        if self._job is not None:
+            self._job.note_failure()
         raise error from cause
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import mirrored
+from mirrored._src.training import overlap as overlap_module
 
 
 @pytest.mark.parametrize("sizes", [[4, 4], [3, 2], [2, 2, 2, 0], [0, 5], [1]])
@@ -99,3 +100,109 @@ def test_half_precision_divides_by_the_exact_count(two):
         assert got.dtype == torch.bfloat16
         # the quotient computed in float32 (bfloat16's op math) by 1001, then rounded
         assert torch.equal(got, (chunk.sum().float() / 1001).to(torch.bfloat16))
+
+
+# ------------------------------------------- global_batch_size must agree across replicas
+
+
+def _linear_training(strategy, sizes_per_step, global_size, *, overlap=False,
+                     skip_empty=False, batches=None, models=None):
+    """Trains a mirrored Linear(3, 2) with SGD on per-replica batches of the given sizes
+    (one list per step); ``global_size(x, ctx)`` is what the user passes as
+    ``global_batch_size``. Returns the mirrored model (also appended to ``models``);
+    ``batches`` collects each step's global batch."""
+    torch.manual_seed(0)
+    model = strategy.mirror(torch.nn.Linear(3, 2))
+    if models is not None:
+        models.append(model)
+    opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.5),
+                                    overlap=overlap)
+    assert (opt._reducer.buckets is not None) is overlap  # (weight and bias: two buckets)
+    gen = torch.Generator().manual_seed(1)
+
+    def step(x):
+        ctx = mirrored.get_replica_context()
+        if skip_empty and len(x) == 0:  # "no loss on an empty batch"
+            loss = (model(x).sum() * 0)
+        else:
+            per_example = model(x).pow(2).sum(1)
+            loss = mirrored.compute_average_loss(per_example,
+                                                 global_batch_size=global_size(x, ctx))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    batches = [] if batches is None else batches
+    for sizes in sizes_per_step:
+        batch = torch.randn(sum(sizes), 3, generator=gen)
+        batches.append(batch)
+        strategy.run(step, args=(mirrored.PerReplica(list(torch.split(batch, sizes))),))
+    return model
+
+
+def _weights(model):
+    return [t.detach().clone() for t in model.replicas[0].parameters()]
+
+
+def _one_device(batches, divisors):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for batch, divisor in zip(batches, divisors, strict=True):
+        (model(batch).pow(2).sum() / divisor).backward()
+        opt.step()
+        opt.zero_grad()
+    return [t.detach().clone() for t in model.parameters()]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_different_global_batch_sizes_on_replicas_raise_before_the_step(two, overlap,
+                                                                        monkeypatch):
+    monkeypatch.setattr(overlap_module, "DEFAULT_BUCKET_BYTES", 4)
+    made = []
+    # TF's per-replica formula on an uneven last batch: replica 0 says 6, replica 1 says 2.
+    per_replica = lambda x, ctx: len(x) * ctx.num_replicas_in_sync  # noqa: E731
+    batches = []
+    with pytest.raises(ValueError, match=r"replica 0: 6, replica 1: 2") as error:
+        _linear_training(two, [[2, 2], [3, 1]], per_replica, overlap=overlap,
+                         batches=batches, models=made)
+    assert "global_batch_size=None" in str(error.value)
+    # The full step before it trained as one device; the bad step was not applied.
+    expected = _one_device(batches[:1], [4])
+    for copy in made[0].replicas:
+        for got, want in zip(copy.parameters(), expected, strict=True):
+            torch.testing.assert_close(got.detach(), want)
+
+
+def test_the_same_global_batch_size_everywhere_trains_as_one_device(two):
+    batches = []
+    model = _linear_training(two, [[2, 2], [3, 1], [0, 2]], lambda x, ctx: 4,
+                             batches=batches)
+    for got, expected in zip(_weights(model), _one_device(batches, [4, 4, 4]), strict=True):
+        torch.testing.assert_close(got, expected)
+
+
+def test_a_replica_without_a_loss_on_its_empty_batch_is_not_a_mismatch(two):
+    batches = []
+    model = _linear_training(two, [[2, 2], [2, 0]], lambda x, ctx: 4, skip_empty=True,
+                             batches=batches)
+    for got, expected in zip(_weights(model), _one_device(batches, [4, 4]), strict=True):
+        torch.testing.assert_close(got, expected)
+
+
+def test_an_evaluation_run_with_different_sizes_does_not_blame_the_next_step(two):
+    model = two.mirror(torch.nn.Linear(3, 2))
+    opt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.5))
+    x = mirrored.PerReplica([torch.ones(3, 3), torch.ones(1, 3)])
+
+    def evaluate(x):  # no optimizer step: nothing is all-reduced
+        with torch.no_grad():
+            return mirrored.compute_average_loss(model(x).sum(1), global_batch_size=len(x) * 2)
+
+    def train(x):
+        mirrored.compute_average_loss(model(x).sum(1), global_batch_size=4).backward()
+        opt.step()
+        opt.zero_grad()
+
+    two.run(evaluate, args=(x,))
+    two.run(train, args=(x,))  # no error: the evaluation's sizes were never used

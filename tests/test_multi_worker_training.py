@@ -155,3 +155,51 @@ def test_a_restarted_job_resumes_from_the_last_checkpoint(tmp_path):
         _assert_close(state, expected)
     assert json.dumps(sorted(os.listdir(directory))) == json.dumps(
         ["ckpt-000000004.pt", "ckpt-000000006.pt"])
+
+
+def _per_replica_global_size(local: int) -> dict:
+    """The loop above with ``global_batch_size=len(x) * num_replicas_in_sync`` (TF's
+    per-replica formula), which is wrong on an uneven last batch (7 examples here:
+    4 + 3 on one replica per worker, 2 + 2 + 2 + 1 on two)."""
+    strategy = mirrored.MultiWorkerMirroredStrategy(
+        communication_options=CommunicationOptions(timeout_seconds=30),
+        devices=[f"CPU:{i}" for i in range(local)])
+    model = strategy.mirror(cnn(), sync_batch_norm=True)
+    opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+
+    def step_fn(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = nn.functional.cross_entropy(model(x), y, reduction="none")
+        size = len(x) * strategy.num_replicas_in_sync
+        mirrored.compute_average_loss(loss, global_batch_size=size).backward()
+        opt.step()
+        opt.zero_grad()
+
+    error, steps = "no error", 0
+    try:
+        last = [t[:7] for t in global_batch(0)]
+        for x, y in strategy.experimental_distribute_dataset(
+                [*(global_batch(step) for step in range(STEPS - 1)), last]):
+            strategy.run(step_fn, args=(x, y))
+            steps += 1
+    except ValueError as caught:
+        error = str(caught)
+    finally:
+        state = {k: v.tolist() for k, v in model.replicas[0].named_parameters()}
+        strategy.close()
+    return {"error": error, "steps": steps, "state": state}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("local", [1, 2])
+def test_workers_dividing_by_different_global_batch_sizes_raise_before_the_step(local):
+    results = mirrored.testing.run_multi_process(_per_replica_global_size, 2, args=(local,),
+                                                 timeout=110)
+    expected = dict(train_reference(STEPS - 1))  # the full batches divide by 8 everywhere
+    expected = {k: expected[k] for k in results[0]["state"]}  # (parameters only: BatchNorm's
+    # statistics were updated by the last step's forward pass, as on one device)
+    for result in results:
+        assert result["steps"] == STEPS - 1, result["error"]
+        assert "global_batch_size=...) was given different values" in result["error"]
+        listing = result["error"].split("(", 2)[2]
+        assert [f"replica {g}: " in listing for g in range(2 * local)] == [True] * (2 * local)
+        _assert_close(result["state"], expected)  # the uneven step was not applied

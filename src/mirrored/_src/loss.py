@@ -29,7 +29,10 @@ def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = 
     Args:
         per_example_loss: losses with a leading batch dimension (``[batch, ...]``;
             every element is summed, the batch size is ``shape[0]``).
-        global_batch_size: the number of examples across all replicas, if known.
+        global_batch_size: the number of examples across all replicas, if known;
+            the same on every replica (a mirrored optimizer's step raises
+            ``ValueError`` before using the gradients if replicas passed different
+            values since its last step).
 
     Raises:
         ValueError: a rank-0 loss, or a ``global_batch_size`` that is not a positive int.
@@ -71,7 +74,10 @@ def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = 
             raise ValueError("global_batch_size must be a positive integer (int, NumPy integer "
                              f"or integer 0-d tensor), or None to count the examples; got "
                              f"{global_batch_size!r}")
-        return total / int(size)
+        size = int(size)
+        if replica.num_replicas_in_sync > 1:  # compared across replicas at the all-reduce
+            replica._parts.loss_divisors[replica._index] += size
+        return total / size
     if replica.num_replicas_in_sync == 1:  # the local count is the global one
         if not in_run and replica.strategy is not None and (
                 replica.strategy.default_replica_context is replica):

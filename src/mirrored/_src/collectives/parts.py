@@ -81,7 +81,10 @@ class Parts:
 
     ``strategy_ref`` (a weak reference, so that a dropped strategy is collected at
     once, with its threads) is only handed to ``merge_fn``s; ``name`` is the
-    strategy's class name, for messages.
+    strategy's class name, for messages. ``loss_divisors[i]``: the sum of the
+    ``global_batch_size`` values local replica ``i`` passed to
+    ``compute_average_loss`` since its run started or its gradients were last
+    all-reduced (a mirrored optimizer compares them across replicas).
     """
 
     strategy_ref: weakref.ReferenceType[Any]
@@ -91,6 +94,10 @@ class Parts:
     communicators: CommunicatorSelector
     options: CommunicationOptions
     cluster: Cluster | None = None
+    loss_divisors: list[int] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "loss_divisors", [0] * self.topology.num_local_replicas)
 
     @property
     def strategy(self) -> Any:

@@ -51,6 +51,8 @@ def run(strategy: Any, parts: Parts, contexts: Sequence[Any], fn: Callable[..., 
         if not idle and nested_in_merge_fn(parts):
             return run_in_merge_fn(parts, contexts, fn, replica_args)
     call = context.replica_calls(strategy, contexts, fn, replica_args)
+    if any(divisors := parts.loss_divisors):  # (an evaluation's: no all-reduce used them)
+        divisors[:] = [0] * len(divisors)
     cluster = parts.cluster
     key = context.run_started(strategy) if cluster is None else run_started(parts)
     try:

@@ -152,7 +152,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
 
         Raises:
             RuntimeError: called outside ``run`` of the module's strategy.
-            ValueError: ``clip_grad_norm`` is not a positive number.
+            ValueError: a bad ``clip_grad_norm``; replicas' ``global_batch_size``s differ.
             ReplicaDivergenceError: the copies differ, or a gradient was changed in
                 place after ``backward()`` on some replica (see ``check``).
         """

@@ -89,11 +89,13 @@ class GradientReducer:
         self._width = len(self._names) * slots_per_tensor(check)
         self._every = 1 if check == "full" else CHEAP_EVERY
         # Per replica: all-present flags, one per parameter, then a fingerprint slot per
-        # global replica (sent as is on the common path; the replica fills its own).
+        # global replica, then a loss-divisor slot per global replica (sent as is on the
+        # common path; the replica fills its own).
         self._meta = tuple(torch.cat([torch.ones(len(p), dtype=meta_dtype, device=p[0].device),
-                                      torch.zeros(n * self._width, dtype=meta_dtype,
+                                      torch.zeros(n * self._width + n, dtype=meta_dtype,
                                                   device=p[0].device)])
                            for p in params)
+        self._divisor_sent = [0] * local  # the value in the replica's divisor slot
         if self._steps is not None:  # elastic: a presence slot per global replica, own set
             ids = self._parts.topology.replica_ids
             self._meta = tuple(torch.cat([m, (torch.arange(n, device=m.device) == g).to(m.dtype)])
@@ -172,6 +174,13 @@ class GradientReducer:
                             "gradients (sparse=False)")
         missing = [k for k, t in enumerate(grads) if t is None]
         meta = self._meta[r]
+        divisors = self._parts.loss_divisors
+        divisor = divisors[r]
+        at = n + self._num_replicas * self._width  # the divisor slots
+        if divisor != self._divisor_sent[r]:
+            meta[at + g] = divisor
+            self._divisor_sent[r] = divisor
+        divisors[r] = 0
         buckets = self.buckets
         if missing or buckets is not None:
             meta = meta.clone()
@@ -194,6 +203,8 @@ class GradientReducer:
         if buckets is None:
             reduced = self._sum(ctx, [*grads, meta, *stats, *sends])
             self.seq[r] += 1
+            if divisor:
+                _same_divisors(reduced[n][at:at + self._num_replicas], g)
             if self._steps is not None:
                 live = self._live(ctx, r, reduced[n])
             if live == 0:  # not committed: nothing of this step is used
@@ -204,6 +215,8 @@ class GradientReducer:
             last = buckets.plan[-1]
             reduced = self._sum(ctx, [*(grads[k] for k in last), meta, *stats, *sends])
             self.seq[r] += 1
+            if divisor:
+                _same_divisors(reduced[len(last)][at:at + self._num_replicas], g)
             for k, t in zip(last, reduced, strict=False):
                 params[k].grad = t
             reduced = [*params, *reduced[len(last):]]
@@ -265,6 +278,25 @@ class GradientReducer:
             self.reduced[r] = True
             return 0
         return int(presence.sum())
+
+
+def _same_divisors(slots: torch.Tensor, g: int) -> None:
+    """Raises unless every replica that passed ``global_batch_size`` to
+    ``compute_average_loss`` in this step passed the same (sums over its calls; 0:
+    none, e.g. a replica that skipped its loss on an empty batch)."""
+    values = [int(v) for v in slots.tolist()]
+    if all(v == values[g] for v in values if v):
+        return
+    listing = ", ".join(f"replica {i}: {v if v else 'none'}" for i, v in enumerate(values))
+    raise ValueError(
+        f"compute_average_loss(per_example_loss, global_batch_size=...) was given different "
+        f"values on different replicas in this step ({listing}; the sum over each replica's "
+        "calls since its last optimizer step). Each replica divides by its own value, so "
+        "the all-reduced gradient is not the mean over the global batch that one device "
+        "computes; the step was not applied. Pass the size of the whole global batch, the "
+        "same on every replica (a per-replica formula such as len(x) * "
+        "num_replicas_in_sync is wrong on an uneven batch), or leave global_batch_size="
+        "None to count each step's examples exactly")
 
 
 class _Finished:

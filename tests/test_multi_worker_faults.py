@@ -419,3 +419,42 @@ def test_workers_join_through_torchruns_agent_store():
         # operators can follow the job: joins and leaves, with the worker's index
         assert f"worker {rank} of 2 joined the job at 127.0.0.1:{port}" in records[0]
         assert f"worker {rank} of 2 left the job at 127.0.0.1:{port}" in records[-1]
+
+
+CRASHING_SCRIPT = """
+import os, sys, torch, mirrored
+from mirrored.experimental import CommunicationOptions
+strategy = mirrored.MultiWorkerMirroredStrategy(
+    communication_options=CommunicationOptions(timeout_seconds=20), devices=["CPU:0"])
+rank = strategy.cluster_resolver.worker_index
+try:
+    for step in range(5):
+        if rank == int(sys.argv[1]) and step == 2:
+            raise ValueError("a bug in this worker's program")  # uncaught: the script ends
+        strategy.reduce("SUM", torch.tensor(1.0))
+except (mirrored.CollectiveMismatchError, mirrored.WorkerFailureError) as error:
+    print(f"{type(error).__name__}: {error}")
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("crashing", [1, 0])
+def test_a_worker_ended_by_an_uncaught_exception_is_named_with_it(crashing):
+    # A real script per worker (its job closes from the interpreter's exit, after the
+    # traceback), not a multiprocessing child: the peer must not read its departure
+    # as a skipped collective.
+    import subprocess
+    import sys
+
+    port = mirrored.testing.find_free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", CRASHING_SCRIPT, str(crashing)],
+        env={**os.environ, "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2",
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outs = [p.communicate(timeout=80) for p in procs]
+    crashed, survivor = outs[crashing], outs[1 - crashing]
+    assert procs[crashing].returncode == 1 and "a bug in this worker's program" in crashed[1]
+    assert survivor[0].startswith(
+        f"WorkerFailureError: worker {crashing} left the job (worker {crashing} on "
+        f"ValueError) while worker {1 - crashing} was in Strategy.reduce("), survivor

@@ -158,6 +158,12 @@ class PeerMonitor:
         """`stop` on the job's departure (its ``close()``, or the job dropped or the
         interpreter exiting without it), on the exception being handled, if any."""
         handling = sys.exc_info()[0]
+        if handling is None and not threading.main_thread().is_alive():
+            # The interpreter is exiting (the job's finalizer runs from atexit, after
+            # the main thread ended): an exception that ended the program was printed
+            # and kept as sys.last_type; the peers then name this worker as failed on
+            # it, rather than as one that skipped their collective.
+            handling = getattr(sys, "last_type", None)
         self.stop(reason="" if handling is None else handling.__name__, host=host)
 
     def _linger(self, deadline: float) -> None:

@@ -60,8 +60,9 @@ def _child(fn: Callable[..., Any], rank: int, world: int, local: int, port: int,
                                                   traceback.format_exc()))))
         results.close()
         results.join_thread()  # flush before leaving without teardown
-        if job is not None:  # what an exiting interpreter's finalizer does: the peers
-            job._departure()  # see the exit, worker 0 keeps its store up for them
+        if job is not None:  # what the job's finalizer does when an uncaught exception
+            job._departure()  # ends a program: it departs on it, and worker 0 keeps its
+            # store up until its peers have read their messages there
         os._exit(0)  # the group may hold abandoned work: no clean teardown
     job.close()
 

@@ -206,3 +206,40 @@ def test_an_evaluation_run_with_different_sizes_does_not_blame_the_next_step(two
 
     two.run(evaluate, args=(x,))
     two.run(train, args=(x,))  # no error: the evaluation's sizes were never used
+
+
+def test_a_replica_that_skipped_its_loss_raises_with_the_others(strategies):
+    # The uneven last batch leaves replica 2 empty; it skips its loss, the others pass
+    # len(x) * 3 (9 and 6): every replica raises and no copy steps.
+    three = strategies[3]
+    made, batches = [], []
+    with pytest.raises(ValueError, match=r"replica 0: 9, replica 1: 6, replica 2: none"):
+        _linear_training(three, [[2, 2, 2], [3, 2, 0]],
+                         lambda x, ctx: len(x) * ctx.num_replicas_in_sync, skip_empty=True,
+                         batches=batches, models=made)
+    expected = _one_device(batches[:1], [6])
+    for copy in made[0].replicas:
+        for got, want in zip(copy.parameters(), expected, strict=True):
+            torch.testing.assert_close(got.detach(), want)
+
+
+def test_a_second_loss_on_some_replicas_only_with_the_same_size_is_not_a_mismatch(two):
+    # An auxiliary loss that only some replicas compute (data-dependent), divided by
+    # the same global size: the largest value each replica passed is compared.
+    model = two.mirror(torch.nn.Linear(3, 2))
+    opt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.5))
+    x = mirrored.PerReplica([torch.ones(2, 3), -torch.ones(2, 3)])
+
+    def train(x):
+        out = model(x)
+        loss = mirrored.compute_average_loss(out.pow(2).sum(1), global_batch_size=4)
+        if bool((x > 0).any()):
+            loss = loss + mirrored.compute_average_loss(out.sum(1), global_batch_size=4)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    two.run(train, args=(x,))
+    first, second = (list(c.parameters()) for c in model.replicas)
+    for a, b in zip(first, second, strict=True):
+        torch.testing.assert_close(a, b)

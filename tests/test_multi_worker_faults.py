@@ -20,6 +20,7 @@ import torch
 
 import mirrored
 from mirrored._src.cluster.process_group import Job
+from mirrored._src.comm.watch import SHARE_SECONDS
 from mirrored.cluster_resolver import SimpleClusterResolver
 from mirrored.experimental import CommunicationOptions
 
@@ -149,7 +150,7 @@ def _late_to_report() -> dict:
         share = Job.share
 
         def late(self, *args, **kwargs):
-            time.sleep(2.5)  # past the 2 s the peers wait for each other's calls
+            time.sleep(SHARE_SECONDS + 0.5)  # past the peers' wait for each other's calls
             return share(self, *args, **kwargs)
         Job.share = late
     start = time.monotonic()
@@ -169,7 +170,7 @@ def test_the_chief_keeps_the_store_up_for_a_peer_still_reading_the_calls_after_a
     assert "worker 0: Strategy.reduce(SUM of float32[2]) at test_multi_worker_faults.py:" \
         in late["message"], late
     assert "worker 1: Strategy.reduce(SUM of float32[3])" in late["message"], late
-    assert "worker 1: (did not answer within 2 s)" in chief["message"], chief
+    assert f"worker 1: (did not answer within {SHARE_SECONDS:g} s)" in chief["message"], chief
     assert chief["closed_after"] >= late["closed_after"] - 1.0, (chief, late)
 
 

@@ -31,8 +31,8 @@ def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = 
             every element is summed, the batch size is ``shape[0]``).
         global_batch_size: the number of examples across all replicas, if known;
             the same on every replica (a mirrored optimizer's step raises
-            ``ValueError`` before using the gradients if replicas passed different
-            values since its last step).
+            ``ValueError`` before using the gradients if replicas of a run passed
+            different values before it).
 
     Raises:
         ValueError: a rank-0 loss, or a ``global_batch_size`` that is not a positive int.
@@ -76,7 +76,9 @@ def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = 
                              f"{global_batch_size!r}")
         size = int(size)
         if replica.num_replicas_in_sync > 1:  # compared across replicas at the all-reduce
-            replica._parts.loss_divisors[replica._index] += size
+            divisors = replica._parts.loss_divisors
+            if size > divisors[replica._index]:
+                divisors[replica._index] = size
         return total / size
     if replica.num_replicas_in_sync == 1:  # the local count is the global one
         if not in_run and replica.strategy is not None and (

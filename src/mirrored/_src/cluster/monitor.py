@@ -158,11 +158,13 @@ class PeerMonitor:
         """`stop` on the job's departure (its ``close()``, or the job dropped or the
         interpreter exiting without it), on the exception being handled, if any."""
         handling = sys.exc_info()[0]
-        if handling is None and not threading.main_thread().is_alive():
-            # The interpreter is exiting (the job's finalizer runs from atexit, after
-            # the main thread ended): an exception that ended the program was printed
-            # and kept as sys.last_type; the peers then name this worker as failed on
-            # it, rather than as one that skipped their collective.
+        if handling is None and not threading.main_thread().is_alive() and not (
+                hasattr(sys, "ps1") or sys.flags.interactive):
+            # A program exiting (the job's finalizer runs from atexit, after the main
+            # thread ended): an exception that ended it was printed and kept as
+            # sys.last_type; the peers then name this worker as failed on it, rather
+            # than as one that skipped their collective. (Interactive sessions keep
+            # every displayed error there: not used.)
             handling = getattr(sys, "last_type", None)
         self.stop(reason="" if handling is None else handling.__name__, host=host)
 

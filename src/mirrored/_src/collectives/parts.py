@@ -81,10 +81,10 @@ class Parts:
 
     ``strategy_ref`` (a weak reference, so that a dropped strategy is collected at
     once, with its threads) is only handed to ``merge_fn``s; ``name`` is the
-    strategy's class name, for messages. ``loss_divisors[i]``: the sum of the
-    ``global_batch_size`` values local replica ``i`` passed to
-    ``compute_average_loss`` since its run started or its gradients were last
-    all-reduced (a mirrored optimizer compares them across replicas).
+    strategy's class name, for messages. ``loss_divisors[i]``: the largest
+    ``global_batch_size`` local replica ``i`` gave ``compute_average_loss`` since
+    its run started or its gradients were last all-reduced (0: none; a mirrored
+    optimizer compares them across replicas).
     """
 
     strategy_ref: weakref.ReferenceType[Any]

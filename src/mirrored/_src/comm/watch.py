@@ -13,7 +13,11 @@ from typing import Any, NoReturn
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, WorkerFailureError
 from .call_identity import CallLedger, JobLink
 
-__all__ = ["CallWatch", "short"]
+__all__ = ["SHARE_SECONDS", "CallWatch", "short"]
+
+# How long a worker that found a mismatch waits for its peers' calls (they find it in
+# the same collective, so they answer at once unless descheduled): error path only.
+SHARE_SECONDS = 5.0
 
 
 def short(text: str, limit: int = 160) -> str:
@@ -117,8 +121,8 @@ class CallWatch:
     def mismatch(self, seq: int, text: object) -> NoReturn:
         calls = {self._me: str(text)}
         if self._job is not None:  # ask every worker what it called (only on mismatch)
-            calls = self._job.share(f"call-{seq}", str(text), 2.0)
-            calls = {r: calls.get(r, "(did not answer within 2 s)")
+            calls = self._job.share(f"call-{seq}", str(text), SHARE_SECONDS)
+            calls = {r: calls.get(r, f"(did not answer within {SHARE_SECONDS:g} s)")
                      for r in range(self._job.world_size)}
         listing = "; ".join(f"worker {r}: {c}" for r, c in sorted(calls.items()))
         self.fail(CollectiveMismatchError(

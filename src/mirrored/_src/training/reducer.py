@@ -3,8 +3,10 @@ and the buffer rule riding on it.
 
 One fused all-reduce (SUM) per step and replica carries the gradients, a presence
 flag per parameter (a gradient that is ``None`` on every replica stays ``None``),
-each replica's fingerprint of the copies (`check`), the BatchNorm statistics to
-average and the other buffers (`buffers`). The reduced gradients replace
+each replica's fingerprint of the copies (`check`), each replica's
+``global_batch_size`` given to ``compute_average_loss`` (compared before any
+gradient is used), the BatchNorm statistics to average and the other buffers
+(`buffers`). The reduced gradients replace
 ``.grad`` (views of the packed result, no copy).
 
 Under an elastic strategy (`mirrored.elastic`) the all-reduce also carries one
@@ -96,6 +98,9 @@ class GradientReducer:
                                                   device=p[0].device)])
                            for p in params)
         self._divisor_sent = [0] * local  # the value in the replica's divisor slot
+        # Once a replica has sent a divisor it compares at every step, also one in which
+        # it made no such call (a skipped loss on an empty batch) while others did.
+        self._divisor_seen = [False] * local
         if self._steps is not None:  # elastic: a presence slot per global replica, own set
             ids = self._parts.topology.replica_ids
             self._meta = tuple(torch.cat([m, (torch.arange(n, device=m.device) == g).to(m.dtype)])
@@ -180,7 +185,9 @@ class GradientReducer:
         if divisor != self._divisor_sent[r]:
             meta[at + g] = divisor
             self._divisor_sent[r] = divisor
+            self._divisor_seen[r] = True
         divisors[r] = 0
+        compare_divisors = self._divisor_seen[r]
         buckets = self.buckets
         if missing or buckets is not None:
             meta = meta.clone()
@@ -203,20 +210,20 @@ class GradientReducer:
         if buckets is None:
             reduced = self._sum(ctx, [*grads, meta, *stats, *sends])
             self.seq[r] += 1
-            if divisor:
-                _same_divisors(reduced[n][at:at + self._num_replicas], g)
             if self._steps is not None:
                 live = self._live(ctx, r, reduced[n])
             if live == 0:  # not committed: nothing of this step is used
                 return
+            if compare_divisors:  # (elastic: after the vote, which every worker makes)
+                _same_divisors(reduced[n][at:at + self._num_replicas])
             for p, t in zip(params, reduced[:n], strict=True):
                 p.grad = t
         else:  # the last bucket's gradients and the rest follow in one all-reduce
             last = buckets.plan[-1]
             reduced = self._sum(ctx, [*(grads[k] for k in last), meta, *stats, *sends])
             self.seq[r] += 1
-            if divisor:
-                _same_divisors(reduced[len(last)][at:at + self._num_replicas], g)
+            if compare_divisors:
+                _same_divisors(reduced[len(last)][at:at + self._num_replicas])
             for k, t in zip(last, reduced, strict=False):
                 params[k].grad = t
             reduced = [*params, *reduced[len(last):]]
@@ -280,21 +287,21 @@ class GradientReducer:
         return int(presence.sum())
 
 
-def _same_divisors(slots: torch.Tensor, g: int) -> None:
-    """Raises unless every replica that passed ``global_batch_size`` to
-    ``compute_average_loss`` in this step passed the same (sums over its calls; 0:
+def _same_divisors(slots: torch.Tensor) -> None:
+    """Raises unless every replica that gave ``compute_average_loss`` a
+    ``global_batch_size`` in this step gave the same (the largest of its calls'; 0:
     none, e.g. a replica that skipped its loss on an empty batch)."""
     values = [int(v) for v in slots.tolist()]
-    if all(v == values[g] for v in values if v):
+    given = {v for v in values if v}
+    if len(given) <= 1:
         return
     listing = ", ".join(f"replica {i}: {v if v else 'none'}" for i, v in enumerate(values))
     raise ValueError(
         f"compute_average_loss(per_example_loss, global_batch_size=...) was given different "
-        f"values on different replicas in this step ({listing}; the sum over each replica's "
-        "calls since its last optimizer step). Each replica divides by its own value, so "
-        "the all-reduced gradient is not the mean over the global batch that one device "
-        "computes; the step was not applied. Pass the size of the whole global batch, the "
-        "same on every replica (a per-replica formula such as len(x) * "
+        f"values on different replicas in this step ({listing}). Each replica divides by "
+        "its own value, so the all-reduced gradient is not the mean over the global batch "
+        "that one device computes; no replica applied the step. Pass the size of the whole "
+        "global batch, the same on every replica (a per-replica formula such as len(x) * "
         "num_replicas_in_sync is wrong on an uneven batch), or leave global_batch_size="
         "None to count each step's examples exactly")
 

@@ -287,6 +287,7 @@ def test_one_worker_trains_as_one_device_and_indexes_its_dataset_by_step(one_wor
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore::mirrored.LossScalingWarning")  # (no per-example loss here)
 def test_one_optimizer_step_per_step_and_no_overlap(one_worker):
     strategy = one_worker
     with strategy.scope():

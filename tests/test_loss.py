@@ -1,6 +1,7 @@
 """compute_average_loss: exact single-device means over uneven and empty batches."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -243,3 +244,41 @@ def test_a_second_loss_on_some_replicas_only_with_the_same_size_is_not_a_mismatc
     first, second = (list(c.parameters()) for c in model.replicas)
     for a, b in zip(first, second, strict=True):
         torch.testing.assert_close(a, b)
+
+
+# ------------------------------------- no compute_average_loss before a step: a warning
+
+
+def _step_with(strategy, loss_of, check="cheap"):
+    model = strategy.mirror(torch.nn.Linear(3, 1))
+    opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1), check=check)
+    x = mirrored.PerReplica([torch.ones(2, 3), torch.zeros(0, 3)])
+
+    def step(x):
+        loss_of(model(x).squeeze(1)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    strategy.run(step, args=(x,))
+
+
+def test_a_per_replica_mean_loss_warns_that_the_gradients_are_summed(two):
+    with pytest.warns(mirrored.LossScalingWarning, match=r"on 2 replicas: no replica called "
+                      r"compute_average_loss.*trains with 2 times the gradients"):
+        _step_with(two, lambda out: out.pow(2).mean() if len(out) else out.sum())
+
+
+@pytest.mark.parametrize("case", ["compute_average_loss", "only replica 0", "check off"])
+def test_no_warning_when_a_replica_called_compute_average_loss_or_checks_are_off(two, case):
+    def loss_of(out):
+        if case == "check off":
+            return out.sum()
+        if case == "only replica 0":  # the empty replica skips its loss (a size given:
+            if len(out) == 0:         # counting would be a collective it skips)
+                return out.sum()
+            return mirrored.compute_average_loss(out.pow(2), global_batch_size=2)
+        return mirrored.compute_average_loss(out.pow(2))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _step_with(two, loss_of, check="off" if case == "check off" else "cheap")

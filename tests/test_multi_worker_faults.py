@@ -455,7 +455,11 @@ def test_a_worker_ended_by_an_uncaught_exception_is_named_with_it(crashing):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
     outs = [p.communicate(timeout=80) for p in procs]
     crashed, survivor = outs[crashing], outs[1 - crashing]
-    assert procs[crashing].returncode == 1 and "a bug in this worker's program" in crashed[1]
+    # 1, or rarely -6: torch can abort while tearing down the Gloo group that the
+    # crashed program never closed (seen once in CI, under load); either way the
+    # program ended on its own exception, and that is what the peer must report.
+    assert procs[crashing].returncode in (1, -6), (procs[crashing].returncode, crashed[1])
+    assert "a bug in this worker's program" in crashed[1]
     assert survivor[0].startswith(
         f"WorkerFailureError: worker {crashing} left the job (worker {crashing} on "
         f"ValueError) while worker {1 - crashing} was in Strategy.reduce("), survivor

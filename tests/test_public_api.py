@@ -17,6 +17,7 @@ EXPECTED = {
     "MirroredModule",
     "MirroredOptimizer",
     "ReplicaDivergenceError",
+    "LossScalingWarning",
     "PreemptionCheckpointHandler",
     "TerminationConfig",
     "StartupError",

@@ -269,6 +269,7 @@ def test_misuse_errors(two: mirrored.MirroredStrategy) -> None:
     assert "2 copies of Linear" in repr(model)
 
 
+@pytest.mark.filterwarnings("ignore::mirrored.LossScalingWarning")  # (no per-example loss here)
 def test_step_hooks_run_and_sparse_gradients_are_refused(two: mirrored.MirroredStrategy) -> None:
     model = two.mirror(linear())
     optimizer = two.mirror_optimizer(model, sgd)

@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
+    "LossScalingWarning",
     "MirroredError",
     "ReplicaAbortedError",
     "ReplicaDivergenceError",
@@ -67,3 +68,12 @@ class StartupError(MirroredError, RuntimeError):
     def __init__(self, message: str, workers: tuple[int, ...] = ()) -> None:
         super().__init__(message)
         self.workers = workers
+
+
+class LossScalingWarning(UserWarning):
+    """No replica called ``compute_average_loss`` before a mirrored optimizer's step
+    on several replicas. The step sums the replicas' gradients, so a loss averaged
+    per replica (``loss.mean()``, a criterion's default ``reduction="mean"``, as with
+    DDP) trains with N times the gradients of one device. A loss already divided by
+    the global batch size is right: silence this with
+    ``warnings.filterwarnings("ignore", category=mirrored.LossScalingWarning)``."""

@@ -65,6 +65,8 @@ def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = 
     if not (loss.dtype.is_floating_point or loss.dtype.is_complex):
         loss = loss.to(torch.get_default_dtype())
     total = loss.sum()
+    if replica.num_replicas_in_sync > 1:  # (a mirrored optimizer's step asks)
+        replica._parts.loss_seen[replica._index] = True
     if global_batch_size is not None:
         size = global_batch_size
         if isinstance(size, torch.Tensor) and size.dim() == 0 and not (

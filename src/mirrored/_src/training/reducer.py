@@ -3,9 +3,10 @@ and the buffer rule riding on it.
 
 One fused all-reduce (SUM) per step and replica carries the gradients, a presence
 flag per parameter (a gradient that is ``None`` on every replica stays ``None``),
-each replica's fingerprint of the copies (`check`), each replica's
-``global_batch_size`` given to ``compute_average_loss`` (compared before any
-gradient is used), the BatchNorm statistics to average and the other buffers
+each replica's fingerprint of the copies (`check`), whether each replica called
+``compute_average_loss`` and with which ``global_batch_size`` (different sizes
+raise before any gradient is used; no call on any replica warns, see
+`LossScalingWarning`), the BatchNorm statistics to average and the other buffers
 (`buffers`). The reduced gradients replace
 ``.grad`` (views of the packed result, no copy).
 
@@ -17,13 +18,14 @@ that is not committed leaves no gradient and steps no optimizer.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from ..errors import ReplicaDivergenceError
+from ..errors import LossScalingWarning, ReplicaDivergenceError
 from ..reduce_op import ReduceOp
 from ..runtime.contract import Arrival, CallSpec
 from .buffers import BufferRule, BufferSync, other_buffers
@@ -179,14 +181,18 @@ class GradientReducer:
                             "gradients (sparse=False)")
         missing = [k for k, t in enumerate(grads) if t is None]
         meta = self._meta[r]
-        divisors = self._parts.loss_divisors
-        divisor = divisors[r]
+        parts = self._parts
+        divisor = parts.loss_divisors[r]
+        # The slot: the largest global_batch_size given, -1 for compute_average_loss
+        # calls without one, 0 for none (`_same_divisors`, `_no_loss`).
+        value = divisor or -int(parts.loss_seen[r])
         at = n + self._num_replicas * self._width  # the divisor slots
-        if divisor != self._divisor_sent[r]:
-            meta[at + g] = divisor
-            self._divisor_sent[r] = divisor
-            self._divisor_seen[r] = True
-        divisors[r] = 0
+        if value != self._divisor_sent[r]:
+            meta[at + g] = value
+            self._divisor_sent[r] = value
+            self._divisor_seen[r] |= value > 0
+        parts.loss_divisors[r] = 0
+        parts.loss_seen[r] = False
         compare_divisors = self._divisor_seen[r]
         buckets = self.buckets
         if missing or buckets is not None:
@@ -248,6 +254,9 @@ class GradientReducer:
             sync.apply(reduced[n + 1 + len(stats):])
         if self._watch is not None:
             self._watch.clear(r)
+        if width and not any(reduced[n][at:at + self._num_replicas].tolist()):
+            warnings.warn(_NO_LOSS.format(n=self._num_replicas), LossScalingWarning,
+                          stacklevel=4)
         if width:
             table = reduced[n][n:n + self._num_replicas * width].view(self._num_replicas, width)
             if live is not None:  # elastic: the rows of the replicas in the step
@@ -287,15 +296,25 @@ class GradientReducer:
         return int(presence.sum())
 
 
+_NO_LOSS = (
+    "MirroredOptimizer.step on {n} replicas: no replica called compute_average_loss since "
+    "the last step. The step sums the replicas' gradients (as TensorFlow does), so a loss "
+    "averaged per replica (loss.mean(), or a criterion's default reduction='mean', as "
+    "with DDP) trains with {n} times the gradients of one device. Write "
+    "mirrored.compute_average_loss(per_example_loss) with reduction='none'. A loss "
+    "already divided by the global batch size is right: silence this with "
+    "warnings.filterwarnings('ignore', category=mirrored.LossScalingWarning)")
+
+
 def _same_divisors(slots: torch.Tensor) -> None:
     """Raises unless every replica that gave ``compute_average_loss`` a
     ``global_batch_size`` in this step gave the same (the largest of its calls'; 0:
     none, e.g. a replica that skipped its loss on an empty batch)."""
     values = [int(v) for v in slots.tolist()]
-    given = {v for v in values if v}
+    given = {v for v in values if v > 0}
     if len(given) <= 1:
         return
-    listing = ", ".join(f"replica {i}: {v if v else 'none'}" for i, v in enumerate(values))
+    listing = ", ".join(f"replica {i}: {v if v > 0 else 'none'}" for i, v in enumerate(values))
     raise ValueError(
         f"compute_average_loss(per_example_loss, global_batch_size=...) was given different "
         f"values on different replicas in this step ({listing}). Each replica divides by "

@@ -282,3 +282,21 @@ def test_no_warning_when_a_replica_called_compute_average_loss_or_checks_are_off
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _step_with(two, loss_of, check="off" if case == "check off" else "cheap")
+
+
+def test_two_optimizers_stepping_after_one_loss_do_not_warn(two):
+    model = two.mirror(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)))
+    first = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p[:2], lr=0.1))
+    second = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p[2:], lr=0.1))
+    x = mirrored.PerReplica([torch.ones(2, 3), torch.ones(1, 3)])
+
+    def step(x):
+        mirrored.compute_average_loss(model(x).squeeze(1).pow(2)).backward()
+        first.step()
+        second.step()
+        first.zero_grad()
+        second.zero_grad()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        two.run(step, args=(x,))

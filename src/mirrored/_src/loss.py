@@ -66,7 +66,7 @@ def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = 
         loss = loss.to(torch.get_default_dtype())
     total = loss.sum()
     if replica.num_replicas_in_sync > 1:  # (a mirrored optimizer's step asks)
-        replica._parts.loss_seen[replica._index] = True
+        replica._parts.loss_calls[replica._index] += 1
     if global_batch_size is not None:
         size = global_batch_size
         if isinstance(size, torch.Tensor) and size.dim() == 0 and not (

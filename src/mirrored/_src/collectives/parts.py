@@ -84,8 +84,9 @@ class Parts:
     strategy's class name, for messages. ``loss_divisors[i]``: the largest
     ``global_batch_size`` local replica ``i`` gave ``compute_average_loss`` since
     its run started or its gradients were last all-reduced (0: none; a mirrored
-    optimizer compares them across replicas); ``loss_seen[i]``: whether it called
-    ``compute_average_loss`` since its gradients were last all-reduced.
+    optimizer compares them across replicas); ``loss_calls[i]``: how many times it
+    called ``compute_average_loss`` (each mirrored optimizer notes the count at its
+    step, so several optimizers stepping after one loss each see the call).
     """
 
     strategy_ref: weakref.ReferenceType[Any]
@@ -96,11 +97,11 @@ class Parts:
     options: CommunicationOptions
     cluster: Cluster | None = None
     loss_divisors: list[int] = dataclasses.field(init=False)
-    loss_seen: list[bool] = dataclasses.field(init=False)
+    loss_calls: list[int] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "loss_divisors", [0] * self.topology.num_local_replicas)
-        object.__setattr__(self, "loss_seen", [False] * self.topology.num_local_replicas)
+        object.__setattr__(self, "loss_calls", [0] * self.topology.num_local_replicas)
 
     @property
     def strategy(self) -> Any:

@@ -103,6 +103,7 @@ class GradientReducer:
         # Once a replica has sent a divisor it compares at every step, also one in which
         # it made no such call (a skipped loss on an empty batch) while others did.
         self._divisor_seen = [False] * local
+        self._loss_calls = [0] * local  # Parts.loss_calls at the replica's last step
         if self._steps is not None:  # elastic: a presence slot per global replica, own set
             ids = self._parts.topology.replica_ids
             self._meta = tuple(torch.cat([m, (torch.arange(n, device=m.device) == g).to(m.dtype)])
@@ -185,14 +186,15 @@ class GradientReducer:
         divisor = parts.loss_divisors[r]
         # The slot: the largest global_batch_size given, -1 for compute_average_loss
         # calls without one, 0 for none (`_same_divisors`, `_no_loss`).
-        value = divisor or -int(parts.loss_seen[r])
+        calls = parts.loss_calls[r]
+        value = divisor or -int(calls != self._loss_calls[r])
+        self._loss_calls[r] = calls
         at = n + self._num_replicas * self._width  # the divisor slots
         if value != self._divisor_sent[r]:
             meta[at + g] = value
             self._divisor_sent[r] = value
             self._divisor_seen[r] |= value > 0
         parts.loss_divisors[r] = 0
-        parts.loss_seen[r] = False
         compare_divisors = self._divisor_seen[r]
         buckets = self.buckets
         if missing or buckets is not None:

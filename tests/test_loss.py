@@ -300,3 +300,16 @@ def test_two_optimizers_stepping_after_one_loss_do_not_warn(two):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         two.run(step, args=(x,))
+
+
+def test_the_warning_names_the_users_line_once_per_step():
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _step_with(strategy, lambda out: out.pow(2).mean() if len(out) else out.sum())
+    finally:
+        strategy.close()
+    ours = [w for w in caught if issubclass(w.category, mirrored.LossScalingWarning)]
+    assert len(ours) == 1, ours  # one replica warns, not each
+    assert ours[0].filename.endswith("test_loss.py"), ours[0].filename

@@ -41,6 +41,15 @@ def call_site(depth: int) -> str:
     return f"{base}:{frame.f_lineno}"
 
 
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a ``warnings.warn`` in the caller name the first
+    frame outside this library (the user's line)."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_LIBRARY):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def paths_of(value: Any) -> list[str]:
     """The printable path of every leaf of ``value`` (``value['a'][0]``)."""
     return [pytree.format_path(path) for path in pytree.flatten_with_path(value)[0]]

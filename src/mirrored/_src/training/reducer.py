@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..collectives.call import user_stacklevel
 from ..errors import LossScalingWarning, ReplicaDivergenceError
 from ..reduce_op import ReduceOp
 from ..runtime.contract import Arrival, CallSpec
@@ -256,9 +257,6 @@ class GradientReducer:
             sync.apply(reduced[n + 1 + len(stats):])
         if self._watch is not None:
             self._watch.clear(r)
-        if width and not any(reduced[n][at:at + self._num_replicas].tolist()):
-            warnings.warn(_NO_LOSS.format(n=self._num_replicas), LossScalingWarning,
-                          stacklevel=4)
         if width:
             table = reduced[n][n:n + self._num_replicas * width].view(self._num_replicas, width)
             if live is not None:  # elastic: the rows of the replicas in the step
@@ -266,6 +264,10 @@ class GradientReducer:
             compare(table, self._names, self.seq[r],
                     params=n, since=max(self.seq[r] - self._every, 0))
         self.reduced[r] = True
+        # Last (a warning made an error leaves the step whole), once per worker.
+        if width and r == 0 and not any(reduced[n][at:at + self._num_replicas].tolist()):
+            warnings.warn(_NO_LOSS.format(n=live or self._num_replicas), LossScalingWarning,
+                          stacklevel=user_stacklevel())
 
     def _live(self, ctx: ReplicaContext, r: int, meta: torch.Tensor) -> int:
         """Elastic: the workers' commit vote (once per worker, by the last local replica

@@ -65,7 +65,8 @@ def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = 
     if not (loss.dtype.is_floating_point or loss.dtype.is_complex):
         loss = loss.to(torch.get_default_dtype())
     total = loss.sum()
-    if replica.num_replicas_in_sync > 1:  # (a mirrored optimizer's step asks)
+    many = replica.num_replicas_in_sync > 1
+    if many:  # (a mirrored optimizer's step asks)
         replica._parts.loss_calls[replica._index] += 1
     if global_batch_size is not None:
         size = global_batch_size
@@ -77,12 +78,12 @@ def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = 
                              f"or integer 0-d tensor), or None to count the examples; got "
                              f"{global_batch_size!r}")
         size = int(size)
-        if replica.num_replicas_in_sync > 1:  # compared across replicas at the all-reduce
+        if many:  # compared across replicas at the all-reduce
             divisors = replica._parts.loss_divisors
             if size > divisors[replica._index]:
                 divisors[replica._index] = size
         return total / size
-    if replica.num_replicas_in_sync == 1:  # the local count is the global one
+    if not many:  # the local count is the global one
         if not in_run and replica.strategy is not None and (
                 replica.strategy.default_replica_context is replica):
             context.refuse_default_context_in_foreign_thread("compute_average_loss")

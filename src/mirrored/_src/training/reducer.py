@@ -186,7 +186,7 @@ class GradientReducer:
         parts = self._parts
         divisor = parts.loss_divisors[r]
         # The slot: the largest global_batch_size given, -1 for compute_average_loss
-        # calls without one, 0 for none (`_same_divisors`, `_no_loss`).
+        # calls without one, 0 for none (`_same_divisors`, `_NO_LOSS`).
         calls = parts.loss_calls[r]
         value = divisor or -int(calls != self._loss_calls[r])
         self._loss_calls[r] = calls

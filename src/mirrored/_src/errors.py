@@ -74,8 +74,8 @@ class LossScalingWarning(UserWarning):
     """No replica called ``compute_average_loss`` since a mirrored optimizer's last
     step on several replicas (seen on the steps the divergence check reads: the
     first and every 8th with ``check="cheap"``). The step sums the replicas'
-    gradients, so a loss averaged
-    per replica (``loss.mean()``, a criterion's default ``reduction="mean"``, as with
-    DDP) trains with N times the gradients of one device. A loss already divided by
-    the global batch size is right: silence this with
+    gradients, so a loss averaged per replica (``loss.mean()``, a criterion's default
+    ``reduction="mean"``, as with DDP) trains with N times the gradients of one
+    device. A loss already divided by the global batch size is right: silence this
+    with
     ``warnings.filterwarnings("ignore", category=mirrored.LossScalingWarning)``."""

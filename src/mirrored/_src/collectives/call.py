@@ -43,7 +43,8 @@ def call_site(depth: int) -> str:
 
 def user_stacklevel() -> int:
     """The ``stacklevel`` that makes a ``warnings.warn`` in the caller name the first
-    frame outside this library (the user's line)."""
+    frame outside this library (the user's line): `call_site`'s walk, counted (kept
+    apart: `call_site` runs at every collective, this only when a warning is due)."""
     frame, level = sys._getframe(1), 1
     while frame.f_back is not None and frame.f_code.co_filename.startswith(_LIBRARY):
         frame, level = frame.f_back, level + 1

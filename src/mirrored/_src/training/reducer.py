@@ -320,8 +320,9 @@ def _same_divisors(slots: torch.Tensor) -> None:
         return
     listing = ", ".join(f"replica {i}: {v if v > 0 else 'none'}" for i, v in enumerate(values))
     raise ValueError(
-        f"compute_average_loss(per_example_loss, global_batch_size=...) was given different "
-        f"values on different replicas in this step ({listing}). Each replica divides by "
+        f"MirroredOptimizer.step: compute_average_loss(per_example_loss, global_batch_size="
+        f"...) was given different values on different replicas in this step ({listing}; "
+        "expected one value on every replica that passed one). Each replica divides by "
         "its own value, so the all-reduced gradient is not the mean over the global batch "
         "that one device computes; no replica applied the step. Pass the size of the whole "
         "global batch, the same on every replica (a per-replica formula such as len(x) * "

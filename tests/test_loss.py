@@ -224,6 +224,24 @@ def test_a_replica_that_skipped_its_loss_raises_with_the_others(strategies):
             torch.testing.assert_close(got.detach(), want)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_replica_that_never_passed_a_size_raises_with_the_others(strategies, overlap,
+                                                                   monkeypatch):
+    # In the first step replica 2 is empty and skips its loss (it never passed a
+    # size); replicas 0 and 1 pass 9 and 6. It must not step while they raise.
+    monkeypatch.setattr(overlap_module, "DEFAULT_BUCKET_BYTES", 4)
+    three = strategies[3]
+    made = []
+    with pytest.raises(ValueError, match=r"replica 0: 9, replica 1: 6, replica 2: none"):
+        _linear_training(three, [[3, 2, 0]], lambda x, ctx: len(x) * ctx.num_replicas_in_sync,
+                         skip_empty=True, models=made, overlap=overlap)
+    torch.manual_seed(0)
+    initial = list(torch.nn.Linear(3, 2).parameters())
+    for copy in made[0].replicas:
+        for got, want in zip(copy.parameters(), initial, strict=True):
+            torch.testing.assert_close(got.detach(), want.detach())
+
+
 def test_a_second_loss_on_some_replicas_only_with_the_same_size_is_not_a_mismatch(two):
     # An auxiliary loss that only some replicas compute (data-dependent), divided by
     # the same global size: the largest value each replica passed is compared.

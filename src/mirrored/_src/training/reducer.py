@@ -101,8 +101,9 @@ class GradientReducer:
                                                   device=p[0].device)])
                            for p in params)
         self._divisor_sent = [0] * local  # the value in the replica's divisor slot
-        # Once a replica has sent a divisor it compares at every step, also one in which
-        # it made no such call (a skipped loss on an empty batch) while others did.
+        # Once a replica has sent a divisor, or seen one on a step the check reads its
+        # table (every replica reads the slots then), it compares at every step, also
+        # one in which it made no such call (a skipped loss on an empty batch).
         self._divisor_seen = [False] * local
         self._loss_calls = [0] * local  # Parts.loss_calls at the replica's last step
         if self._steps is not None:  # elastic: a presence slot per global replica, own set
@@ -196,7 +197,6 @@ class GradientReducer:
             self._divisor_sent[r] = value
             self._divisor_seen[r] |= value > 0
         parts.loss_divisors[r] = 0
-        compare_divisors = self._divisor_seen[r]
         buckets = self.buckets
         if missing or buckets is not None:
             meta = meta.clone()
@@ -223,16 +223,15 @@ class GradientReducer:
                 live = self._live(ctx, r, reduced[n])
             if live == 0:  # not committed: nothing of this step is used
                 return
-            if compare_divisors:  # (elastic: after the vote, which every worker makes)
-                _same_divisors(reduced[n][at:at + self._num_replicas])
+            # (elastic: after the vote, which every worker makes)
+            slots = self._divisors(r, reduced[n][at:at + self._num_replicas], width)
             for p, t in zip(params, reduced[:n], strict=True):
                 p.grad = t
         else:  # the last bucket's gradients and the rest follow in one all-reduce
             last = buckets.plan[-1]
             reduced = self._sum(ctx, [*(grads[k] for k in last), meta, *stats, *sends])
             self.seq[r] += 1
-            if compare_divisors:
-                _same_divisors(reduced[len(last)][at:at + self._num_replicas])
+            slots = self._divisors(r, reduced[len(last)][at:at + self._num_replicas], width)
             for k, t in zip(last, reduced, strict=False):
                 params[k].grad = t
             reduced = [*params, *reduced[len(last):]]
@@ -265,9 +264,21 @@ class GradientReducer:
                     params=n, since=max(self.seq[r] - self._every, 0))
         self.reduced[r] = True
         # Last (a warning made an error leaves the step whole), once per worker.
-        if width and r == 0 and not any(reduced[n][at:at + self._num_replicas].tolist()):
+        if width and r == 0 and slots is not None and not any(slots):
             warnings.warn(_NO_LOSS.format(n=live or self._num_replicas), LossScalingWarning,
                           stacklevel=user_stacklevel())
+
+    def _divisors(self, r: int, slots: torch.Tensor, width: int) -> list[float] | None:
+        """The step's divisor slots, read when local replica ``r`` compares them (it
+        sent or saw a ``global_batch_size``) or the check reads its table (``width``),
+        else ``None``; raises (`_same_divisors`) if they differ."""
+        if not (width or self._divisor_seen[r]):
+            return None
+        values = slots.tolist()
+        if self._divisor_seen[r] or any(v > 0 for v in values):
+            self._divisor_seen[r] = True
+            _same_divisors(values)
+        return values
 
     def _live(self, ctx: ReplicaContext, r: int, meta: torch.Tensor) -> int:
         """Elastic: the workers' commit vote (once per worker, by the last local replica
@@ -310,11 +321,11 @@ _NO_LOSS = (
     "warnings.filterwarnings('ignore', category=mirrored.LossScalingWarning)")
 
 
-def _same_divisors(slots: torch.Tensor) -> None:
+def _same_divisors(slots: list[float]) -> None:
     """Raises unless every replica that gave ``compute_average_loss`` a
     ``global_batch_size`` in this step gave the same (the largest of its calls'; 0:
     none, e.g. a replica that skipped its loss on an empty batch)."""
-    values = [int(v) for v in slots.tolist()]
+    values = [int(v) for v in slots]
     given = {v for v in values if v > 0}
     if len(given) <= 1:
         return

@@ -422,7 +422,14 @@ def test_workers_join_through_torchruns_agent_store():
         assert f"worker {rank} of 2 left the job at 127.0.0.1:{port}" in records[-1]
 
 
-CRASHING_SCRIPT = """
+# Registered before torch creates any finalizer: runs last at exit, after the job's.
+AT_EXIT = """
+import atexit, time
+atexit.register(lambda: print("process group at exit:",
+                              __import__("torch").distributed.is_initialized(), time.monotonic()))
+"""
+
+CRASHING_SCRIPT = AT_EXIT + """
 import os, sys, torch, mirrored
 from mirrored.experimental import CommunicationOptions
 strategy = mirrored.MultiWorkerMirroredStrategy(
@@ -455,11 +462,58 @@ def test_a_worker_ended_by_an_uncaught_exception_is_named_with_it(crashing):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
     outs = [p.communicate(timeout=80) for p in procs]
     crashed, survivor = outs[crashing], outs[1 - crashing]
-    # 1, or rarely -6: torch can abort while tearing down the Gloo group that the
-    # crashed program never closed (seen once in CI, under load); either way the
-    # program ended on its own exception, and that is what the peer must report.
-    assert procs[crashing].returncode in (1, -6), (procs[crashing].returncode, crashed[1])
+    # The job's exit released the group while Python was whole (left to the
+    # interpreter's finalization, Gloo could abort the process: -6, seen under load).
+    assert procs[crashing].returncode == 1, (procs[crashing].returncode, crashed[1])
     assert "a bug in this worker's program" in crashed[1]
     assert survivor[0].startswith(
         f"WorkerFailureError: worker {crashing} left the job (worker {crashing} on "
         f"ValueError) while worker {1 - crashing} was in Strategy.reduce("), survivor
+    for out in outs:
+        assert "process group at exit: False" in out[0], out
+
+
+INTERRUPTED_SCRIPT = AT_EXIT + """
+import signal, time, torch, mirrored
+from mirrored.experimental import CommunicationOptions
+strategy = mirrored.MultiWorkerMirroredStrategy(
+    communication_options=CommunicationOptions(timeout_seconds=60), devices=["CPU:0"])
+if strategy.cluster_resolver.worker_index == 0:
+    time.sleep(12)  # worker 1 waits in the reduce meanwhile, and is interrupted
+    try:
+        strategy.reduce("SUM", torch.tensor(1.0))
+    except mirrored.WorkerFailureError as error:
+        print(f"WorkerFailureError: {error}")
+else:
+    def interrupt(*_):
+        print("interrupted at", time.monotonic(), flush=True)
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGALRM, interrupt)
+    signal.alarm(2)
+    strategy.reduce("SUM", torch.tensor(1.0))  # interrupted inside: never caught
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_program_ended_inside_a_collective_exits_at_once_and_is_named():
+    # Releasing the group at exit must not wait for the collective in flight (the
+    # peer joins it only 10 s later): the backend is aborted first.
+    import subprocess
+    import sys
+
+    port = mirrored.testing.find_free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", INTERRUPTED_SCRIPT],
+        env={**os.environ, "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2",
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outs = [p.communicate(timeout=80) for p in procs]
+    lines = outs[1][0].splitlines()
+    # (Python ends an uncaught KeyboardInterrupt by SIGINT)
+    assert procs[1].returncode == -signal.SIGINT, (procs[1].returncode, outs[1])
+    assert "KeyboardInterrupt" in outs[1][1], outs[1]
+    interrupted = float(lines[0].split()[-1])
+    released, at = lines[-1].rsplit(" ", 2)[-2:]
+    assert released == "False" and float(at) - interrupted < 6.0, lines
+    assert outs[0][0].startswith("WorkerFailureError: worker 1 left the job (worker 1 on "
+                                 "KeyboardInterrupt)"), outs[0]

@@ -203,3 +203,40 @@ def test_workers_dividing_by_different_global_batch_sizes_raise_before_the_step(
         listing = result["error"].split("(", 2)[2]
         assert [f"replica {g}: " in listing for g in range(2 * local)] == [True] * (2 * local)
         _assert_close(result["state"], expected)  # the uneven step was not applied
+
+
+def _plain_optimizer() -> dict:
+    """DDP's habit ported as is: a plain optimizer over the mirrored model's
+    parameters, on workers of one replica each (each worker's only copy)."""
+    strategy = mirrored.MultiWorkerMirroredStrategy(
+        communication_options=CommunicationOptions(timeout_seconds=30), devices=["CPU:0"])
+    model = strategy.mirror(cnn())
+    before = {k: v.tolist() for k, v in model.replicas[0].named_parameters()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step_fn(x: torch.Tensor, y: torch.Tensor) -> None:
+        mirrored.compute_average_loss(
+            nn.functional.cross_entropy(model(x), y, reduction="none")).backward()
+        opt.step()
+
+    error = "no error"
+    try:
+        for x, y in strategy.experimental_distribute_dataset([global_batch(0)]):
+            strategy.run(step_fn, args=(x, y))
+    except RuntimeError as caught:
+        error = str(caught)
+    finally:
+        after = {k: v.tolist() for k, v in model.replicas[0].named_parameters()}
+        strategy.close()
+    return {"error": error, "unchanged": after == before}
+
+
+@pytest.mark.timeout(120)
+def test_a_plain_optimizer_over_the_mirrored_model_is_refused_on_every_worker():
+    for result in mirrored.testing.run_multi_process(_plain_optimizer, 2, timeout=110):
+        assert result["error"].startswith(
+            "torch.optim.SGD.step() would update the parameters of a model mirrored over 2 "
+            "replicas (copy 0's "), result["error"]
+        assert "strategy.mirror_optimizer(model, lambda params: torch.optim.SGD(" in (
+            result["error"])
+        assert result["unchanged"]

@@ -420,3 +420,84 @@ def test_grad_scaler_update_outside_run_and_plain_use_stay_torch(
     assert scaler.get_scale() == 4.0
     with pytest.raises(AssertionError, match="No inf checks were recorded"):
         scaler.update()
+
+
+# ----------------------------------------------- a plain optimizer over the copies
+
+
+def _plain_step(model: mirrored.MirroredModule, opt: object):
+    def step(x: torch.Tensor, y: torch.Tensor, opt: torch.optim.Optimizer = opt) -> None:
+        mirrored.compute_average_loss((model(x).squeeze(1) - y) ** 2).backward()
+        opt.step()
+    return step
+
+
+@pytest.mark.parametrize("where", ["outside run", "per replica", "stepped outside run"])
+def test_a_plain_optimizer_over_a_mirrored_model_is_refused_before_any_update(
+        two: mirrored.MirroredStrategy, where: str) -> None:
+    model = two.mirror(net())
+    initial = [t.detach().clone() for t in model.replicas[0].parameters()]
+    x, y = data()
+    if where == "outside run":  # DDP's habit: the optimizer over model.parameters()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        call = lambda: two.run(_plain_step(model, opt), args=(split(x), split(y)))  # noqa: E731
+        copy = 0
+    elif where == "per replica":  # each replica's own copy, no all-reduce
+        opts = two.run(lambda: torch.optim.Adam(model.parameters(), lr=0.1))
+        call = lambda: two.run(  # noqa: E731
+            lambda x, y, o: _plain_step(model, o)(x, y), args=(split(x), split(y), opts))
+        copy = 0  # (run raises replica 0's error, over its own copy)
+    else:  # backward in the run, the step after it
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        two.run(lambda x, y: mirrored.compute_average_loss(
+            (model(x).squeeze(1) - y) ** 2).backward(), args=(split(x), split(y)))
+        call, copy = opt.step, 0
+    name = "Adam" if where == "per replica" else "SGD"
+    with pytest.raises(RuntimeError, match=re.escape(
+            f"torch.optim.{name}.step() would update the parameters of a model mirrored "
+            f"over 2 replicas (copy {copy}'s '0.weight') with a plain optimizer")) as error:
+        call()
+    assert f"strategy.mirror_optimizer(model, lambda params: torch.optim.{name}(params" in (
+        str(error.value))
+    for replica in model.replicas:  # nothing was updated
+        for got, want in zip(replica.parameters(), initial, strict=True):
+            assert torch.equal(got, want)
+
+
+def test_plain_optimizers_elsewhere_are_untouched(two: mirrored.MirroredStrategy) -> None:
+    # A model mirrored over several replicas refuses plain optimizers over its copies
+    # only: a reference copy, another model, one replica in all train as torch does.
+    model = two.mirror(net())
+    opt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+    one = mirrored.MirroredStrategy(["CPU:0"])
+    solo = one.mirror(net())
+    x, y = data()
+    references = [net(), net()]
+    plain_opts = [torch.optim.SGD(references[0].parameters(), lr=0.1),
+                  torch.optim.SGD(solo.parameters(), lr=0.1)]
+
+    def mirrored_step(x: torch.Tensor, y: torch.Tensor) -> None:
+        mirrored.compute_average_loss((model(x).squeeze(1) - y) ** 2).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def solo_step() -> None:
+        ((solo(x).squeeze(1) - y) ** 2).mean().backward()
+        plain_opts[1].step()
+
+    for _ in range(2):
+        two.run(mirrored_step, args=(split(x), split(y)))
+        ((references[0](x).squeeze(1) - y) ** 2).mean().backward()
+        plain_opts[0].step()
+        plain_opts[0].zero_grad()
+        one.run(solo_step)
+        plain_opts[1].zero_grad()
+    reference_opt = torch.optim.SGD(references[1].parameters(), lr=0.1)
+    for _ in range(2):
+        ((references[1](x).squeeze(1) - y) ** 2).mean().backward()
+        reference_opt.step()
+        reference_opt.zero_grad()
+    for trained in (model.replicas[0], model.replicas[1], references[0], solo):
+        for got, want in zip(trained.parameters(), references[1].parameters(), strict=True):
+            torch.testing.assert_close(got, want)
+    one.close()

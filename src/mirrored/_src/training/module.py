@@ -27,6 +27,7 @@ from .. import context
 from ..devices import parse_device
 from .batch_norm import convert_batch_norm
 from .copies import CopiesModule
+from .plain_optimizer import register_copies
 
 if TYPE_CHECKING:
     from mirrored import ReplicaContext, Strategy
@@ -372,5 +373,6 @@ def mirror(strategy: Strategy, module: nn.Module, *,
     for device in devices[1:]:
         copies.append(copy.deepcopy(module).to(device))
     calls = None if compiler is None else tuple(compiler(c) for c in copies)
+    register_copies(copies, strategy.num_replicas_in_sync)  # (a plain optimizer is refused)
     return MirroredModule(strategy, tuple(copies), sync_batch_norm=sync_batch_norm,
                           calls=calls)

@@ -31,12 +31,12 @@ from . import overlap as _overlap
 from .buffers import BUFFER_RULES, BufferRule
 from .check import CHECKS, Check, GradientWatch, discarded_message
 from .module import MirroredModule, as_mirrored_module, replica_index, replica_of
+from .plain_optimizer import GUARD, trust
 from .reducer import GradientReducer
 
 # torch's registries of global optimizer hooks (empty dicts if this torch has none).
 _GLOBAL_PRE_HOOKS: dict[Any, Any] = getattr(_torch_optimizer, "_global_optimizer_pre_hooks", {})
-_GLOBAL_POST_HOOKS: dict[Any, Any] = getattr(_torch_optimizer, "_global_optimizer_post_hooks",
-                                             {})
+_GLOBAL_POST_HOOKS: dict[Any, Any] = vars(_torch_optimizer).get("_global_optimizer_post_hooks", {})
 
 if TYPE_CHECKING:
     from mirrored import ReplicaContext, Strategy
@@ -156,10 +156,10 @@ class MirroredOptimizer(torch.optim.Optimizer):
             ReplicaDivergenceError: the copies differ, or a gradient was changed in
                 place after ``backward()`` on some replica (see ``check``).
         """
-        # torch's step pre/post hooks (registered on this optimizer or globally) run in
+        # torch's step hooks (its own or global, but the plain-optimizer guard's) run in
         # every replica, as step itself does; looked up only when there are some.
         hooked = bool(self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks
-                      or _GLOBAL_PRE_HOOKS or _GLOBAL_POST_HOOKS)
+                      or len(_GLOBAL_PRE_HOOKS) > GUARD[0] or _GLOBAL_POST_HOOKS)
         if hooked:
             args, kwargs = (self, closure), {"clip_grad_norm": clip_grad_norm}
             for pre in (*_GLOBAL_PRE_HOOKS.values(), *self._optimizer_step_pre_hooks.values()):
@@ -396,5 +396,5 @@ def mirror_optimizer(strategy: Strategy, mirrored_module: MirroredModule,
         params.append(ordered)
     named = {id(p): name for name, p in mirrored_module.replicas[0].named_parameters()}
     names = [named[id(p)] for p in params[0]]
-    return MirroredOptimizer(mirrored_module, tuple(optimizers), tuple(params), names,
-                             check=check, buffers=buffers, overlap=overlap)
+    return trust(MirroredOptimizer(mirrored_module, tuple(optimizers), tuple(params), names,
+                                   check=check, buffers=buffers, overlap=overlap), *optimizers)

@@ -20,7 +20,9 @@ Strategy level (``MultiWorkerMirroredStrategy``, one CPU replica per worker):
     Target: >= 10x faster.
 (f) digits-like training (8x8 images, batch 64 per worker, SGD), a CNN and an MLP,
     default settings and the documented step (``compute_average_loss`` without
-    ``global_batch_size``: the step's example count is summed across workers),
+    ``global_batch_size``: the step's example count is summed across workers; also
+    the README's loop, over ``experimental_distribute_dataset`` of a list, where the
+    workers agree on the steps once, and of a generator, where they vote each step),
     examples/s against ``DistributedDataParallel`` on the same 2 processes, 11 rounds
     of one epoch each in rotating order; also the median of the per-round ratios with
     its 90 % bootstrap interval. Target: >= 1.0x (aim 1.2x). Also with
@@ -144,8 +146,16 @@ def _training_figures(strategy: mirrored.Strategy, quick: bool, results: dict[st
             ddp_opt.step()
             ddp_opt.zero_grad()
 
+    # The README's loop: the same global batches on every worker (each keeps its half),
+    # through experimental_distribute_dataset, of a list (a len(): the workers agree on
+    # the steps once) or of a generator (no len(): a vote at each step, as before).
+    shared = torch.Generator().manual_seed(12345)
+    global_batches = [(torch.randn(2 * batch, 1, 8, 8, generator=shared),
+                       torch.randint(0, 10, (2 * batch,), generator=shared))
+                      for _ in range(steps)]
+
     def mirrored_epoch_fn(overlap: bool | None, bucket_bytes: int = 0,
-                          global_batch_size: int | None = None
+                          global_batch_size: int | None = None, dataset: str = ""
                           ) -> tuple[Callable[[], None], Any]:
         model = strategy.mirror(make())
         default_bytes = overlap_module.DEFAULT_BUCKET_BYTES
@@ -166,7 +176,12 @@ def _training_figures(strategy: mirrored.Strategy, quick: bool, results: dict[st
         def epoch() -> None:
             for x, y in data:
                 strategy.run(step, args=(x, y))
-        return epoch, opt
+
+        def dataset_epoch() -> None:
+            source = global_batches if dataset == "len" else (b for b in global_batches)
+            for x, y in strategy.experimental_distribute_dataset(source):
+                strategy.run(step, args=(x, y))
+        return (dataset_epoch if dataset else epoch), opt
 
     mirrored_epoch, opt = mirrored_epoch_fn(None)  # the default: overlap across workers
     plain_epoch, _ = mirrored_epoch_fn(False)
@@ -177,6 +192,8 @@ def _training_figures(strategy: mirrored.Strategy, quick: bool, results: dict[st
         epochs["small_buckets"], opt = mirrored_epoch_fn(None, 4 << 20)
     else:  # (the wide MLP shows overlap; its rounds are long already)
         epochs["given_batch"], _ = mirrored_epoch_fn(None, global_batch_size=2 * batch)
+        epochs["dataset"], _ = mirrored_epoch_fn(None, dataset="len")
+        epochs["dataset_vote"], _ = mirrored_epoch_fn(None, dataset="vote")
     times: dict[str, list[float]] = {name: [] for name in epochs}
     # CPU seconds per epoch (main thread, whole process): robust under load, where the
     # wall clock also counts the time other processes hold the cores.
@@ -326,6 +343,10 @@ def main() -> None:
               f"{r[f'{key}_ratio_med']:.2f}x [90 % CI {r[f'{key}_ratio_ci_lo']:.2f}-"
               f"{r[f'{key}_ratio_ci_hi']:.2f}] (target >= 1.0x); with global_batch_size "
               f"given (no example count to sum): {r[f'{key}_given_batch'] / r[f'{key}_ddp']:.2f}x")
+        print(f"    the README loop (experimental_distribute_dataset of the same global "
+              f"batches): {r[f'{key}_dataset'] / r[f'{key}_ddp']:.2f}x DDP; its source "
+              f"without len() (a vote at each step): "
+              f"{r[f'{key}_dataset_vote'] / r[f'{key}_ddp']:.2f}x")
     print(f"(g) the same with check_collectives=False: mirrored {r['train_unchecked_mirrored']:.0f}"
           f" examples/s, DDP {r['train_unchecked_ddp']:.0f} examples/s: "
           f"{r['train_unchecked_mirrored'] / r['train_unchecked_ddp']:.2f}x (no target)")

@@ -23,6 +23,7 @@ from mirrored._src.data import (
     InputOptions,
     split_batch,
 )
+from mirrored._src.data.iterator import WorkerVote
 from mirrored._src.data.prefetch import THREAD_NAME
 from mirrored._src.devices import parse_devices
 from mirrored._src.topology import Topology
@@ -334,11 +335,25 @@ def test_whole_element_rule_rejects_mixed_structures_and_bad_fns() -> None:
 class FakeVote:
     """A communicator's "does any worker have data" all-reduce, for workers on threads."""
 
-    def __init__(self, num_workers: int) -> None:
+    def __init__(self, num_workers: int, counted: bool = False) -> None:
         self._barrier = threading.Barrier(num_workers, timeout=10)
         self._votes = [False] * num_workers
         self.calls = [0] * num_workers
         self._result = False
+        self.counted = counted  # also a WorkerVote's agreement on the steps
+        self._counts = [0] * num_workers
+        self.agreed = [0] * num_workers
+
+    def steps_for(self, index: int) -> Callable[[int], list[int]]:
+        def steps(count: int) -> list[int]:
+            self.agreed[index] += 1
+            self._counts[index] = count
+            self._barrier.wait()
+            counts = list(self._counts)
+            self._barrier.wait()
+            return counts
+
+        return steps
 
     def for_worker(self, index: int) -> Callable[[bool], bool]:
         def any_worker(has_data: bool) -> bool:
@@ -349,12 +364,12 @@ class FakeVote:
             self._barrier.wait()
             return self._result
 
-        return any_worker
+        return WorkerVote(any_worker, self.steps_for(index)) if self.counted else any_worker
 
 
 def run_workers(make: Callable[[int, Callable[[bool], bool]], Any],
-                num_workers: int = 2) -> tuple[list[list[Any]], FakeVote]:
-    vote = FakeVote(num_workers)
+                num_workers: int = 2, counted: bool = False) -> tuple[list[list[Any]], FakeVote]:
+    vote = FakeVote(num_workers, counted)
     results: list[list[Any]] = [[] for _ in range(num_workers)]
     errors: list[BaseException] = []
 
@@ -376,18 +391,53 @@ def run_workers(make: Callable[[int, Callable[[bool], bool]], Any],
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("counted", [False, True])
 @pytest.mark.parametrize("depth", DEPTHS)
-def test_two_workers_split_the_same_global_batches(depth: int) -> None:
+def test_two_workers_split_the_same_global_batches(depth: int, counted: bool) -> None:
     batches = [torch.arange(0, 8), torch.arange(8, 14)]  # range(14) in batches of 8
 
     def make(index: int, any_worker: Callable[[bool], bool]) -> DistributedDataset:
         topo = Topology(devices=parse_devices(["CPU:0"]), worker_index=index, num_workers=2)
         return DistributedDataset(batches, topo, options(depth), any_worker=any_worker)
 
-    (w0, w1), vote = run_workers(make)
+    (w0, w1), vote = run_workers(make, counted=counted)
     assert [as_lists(s) for s in w0] == [[[0, 1, 2, 3]], [[8, 9, 10]]]
     assert [as_lists(s) for s in w1] == [[[4, 5, 6, 7]], [[11, 12, 13]]]
-    assert vote.calls == [3, 3]  # one vote per step, and the final "nobody has data"
+    if counted:  # every len() known: the steps agreed once, no vote at each step
+        assert (vote.agreed, vote.calls) == ([1, 1], [0, 0])
+    else:
+        assert vote.calls == [3, 3]  # one vote per step, and the final "nobody has data"
+
+
+@pytest.mark.timeout(30)
+def test_a_source_without_len_on_any_worker_makes_every_worker_vote_at_each_step() -> None:
+    batches = [torch.arange(0, 8), torch.arange(8, 14)]
+
+    def make(index: int, any_worker: Callable[[bool], bool]) -> DistributedDataset:
+        topo = Topology(devices=parse_devices(["CPU:0"]), worker_index=index, num_workers=2)
+        source = batches if index == 0 else (b for b in batches)  # worker 1: a generator
+        return DistributedDataset(source, topo, options(0), any_worker=any_worker)
+
+    (w0, w1), vote = run_workers(make, counted=True)
+    assert [as_lists(s) for s in w0] == [[[0, 1, 2, 3]], [[8, 9, 10]]]
+    assert [as_lists(s) for s in w1] == [[[4, 5, 6, 7]], [[11, 12, 13]]]
+    assert (vote.agreed, vote.calls) == ([1, 1], [3, 3])
+
+
+@pytest.mark.timeout(30)
+def test_a_source_longer_than_its_len_raises_instead_of_dropping_batches() -> None:
+    class Lying(list):  # three batches, but len() says two
+        def __len__(self) -> int:
+            return 2
+
+    def make(index: int, any_worker: Callable[[bool], bool]) -> DistributedDataset:
+        topo = Topology(devices=parse_devices(["CPU:0"]), worker_index=index, num_workers=2)
+        source = Lying([torch.ones(2)] * 3) if index == 1 else [torch.ones(2)] * 2
+        return DistributedDataset(source, topo, options(0), any_worker=any_worker)
+
+    with pytest.raises(RuntimeError, match=r"yielded more than the 2 batches its len\(\) "
+                                           r"promised; the workers agreed on 2 steps"):
+        run_workers(make, counted=True)
 
 
 @pytest.mark.timeout(30)
@@ -404,8 +454,9 @@ def test_two_workers_with_two_replicas_each_match_one_worker_with_four() -> None
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("counted", [False, True])
 @pytest.mark.parametrize("depth", DEPTHS)
-def test_worker_that_runs_out_steps_on_empty_batches(depth: int) -> None:
+def test_worker_that_runs_out_steps_on_empty_batches(depth: int, counted: bool) -> None:
     per_worker = {0: [torch.ones(4, 3)] * 3, 1: [torch.zeros(2, 3)]}
 
     def make(index: int, any_worker: Callable[[bool], bool]) -> DistributedDatasetsFromFunction:
@@ -418,17 +469,19 @@ def test_worker_that_runs_out_steps_on_empty_batches(depth: int) -> None:
         return DistributedDatasetsFromFunction(dataset_fn, topo, options(depth),
                                                any_worker=any_worker)
 
-    (w0, w1), vote = run_workers(make)
+    (w0, w1), vote = run_workers(make, counted=counted)
     assert len(w0) == len(w1) == 3
     assert [s.values[0].shape for s in w0] == [(4, 3)] * 3
     assert [s.values[0].shape for s in w1] == [(2, 3), (0, 3), (0, 3)]
     assert w1[2].devices == (Topology(devices=parse_devices(["CPU:0"]), worker_index=1,
                                       num_workers=2).device_names)
-    assert vote.calls == [4, 4]
+    # counted: 3 and 1 steps agreed at the first, then no vote
+    assert vote.calls == ([0, 0] if counted else [4, 4])
 
 
 @pytest.mark.timeout(30)
-def test_worker_without_any_batch_cannot_shape_empties() -> None:
+@pytest.mark.parametrize("counted", [False, True])
+def test_worker_without_any_batch_cannot_shape_empties(counted: bool) -> None:
     def make(index: int, any_worker: Callable[[bool], bool]) -> DistributedDataset:
         topo = Topology(devices=parse_devices(["CPU:0"]), worker_index=index, num_workers=2)
         source = [torch.zeros(2)] if index == 0 else []
@@ -437,7 +490,7 @@ def test_worker_without_any_batch_cannot_shape_empties() -> None:
     # Worker 1 raises (and breaks the fake vote, so worker 0 does not wait for it).
     with pytest.raises(RuntimeError, match="yielded no batches while other workers still "
                                            "have data"):
-        run_workers(make)
+        run_workers(make, counted=counted)
 
 
 # --- InputContext and InputOptions --------------------------------------------------------

@@ -207,6 +207,14 @@ def _check_iterable(value: Any, what: str) -> None:
                         f"a list); got {type(value).__name__}")
 
 
+def _length(dataset: Any) -> int | None:
+    """The dataset's steps on this worker, if its source has a ``len()`` (else ``None``)."""
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
+
+
 class DistributedDataset:
     """Global batches from ``source``, split over all replicas (SPEC §9).
 
@@ -258,7 +266,7 @@ class DistributedDataset:
         steps = _global_batch_steps(self._source, self._topology,
                                     self._options.experimental_fetch_to_device)
         return DistributedIterator(steps, self._options, self._any_worker,
-                                   self._topology.torch_devices)
+                                   self._topology.torch_devices, _length(self))
 
     def __len__(self) -> int:
         """The number of batches of the source; `TypeError` when it has no ``len()``."""
@@ -333,7 +341,7 @@ class DistributedDatasetsFromFunction:
         steps = _whole_element_steps(pipelines, self._topology,
                                      self._options.experimental_fetch_to_device)
         return DistributedIterator(steps, self._options, self._any_worker,
-                                   self._topology.torch_devices)
+                                   self._topology.torch_devices, _length(self))
 
     def __len__(self) -> int:
         """Steps on this worker: ``ceil(len(elements) / local replicas)`` (``PER_REPLICA``:

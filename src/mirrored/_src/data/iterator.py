@@ -20,10 +20,32 @@ from .input import InputOptions
 from .prefetch import InlineSteps, Prefetcher, default_depth
 from .split import empty_like
 
-__all__ = ["DistributedIterator", "DistributedOptional"]
+__all__ = ["DistributedIterator", "DistributedOptional", "WorkerVote"]
 
 AnyWorker = Callable[[bool], bool]
 T = TypeVar("T")
+
+
+class WorkerVote:
+    """A multi-worker dataset's vote (the ``any_worker`` of `DistributedIterator`):
+    ``vote(has_data)`` says whether any worker has data (one collective), and
+    ``steps(count)`` gives every worker's count of steps (``-1``: unknown; one
+    collective), asked once per pass: when every count is known, no worker votes at
+    each step.
+
+    Example:
+        >>> vote = WorkerVote(lambda has_data: has_data, lambda count: [count, 3])
+        >>> vote(True), vote.steps(2)
+        (True, [2, 3])
+    """
+
+    __slots__ = ("_any", "steps")
+
+    def __init__(self, any_worker: AnyWorker, steps: Callable[[int], list[int]]) -> None:
+        self._any, self.steps = any_worker, steps
+
+    def __call__(self, has_data: bool) -> bool:
+        return self._any(has_data)
 
 
 class DistributedOptional(Generic[T]):
@@ -108,7 +130,8 @@ class DistributedIterator:
     """
 
     def __init__(self, steps: Generator[Any, None, None], options: InputOptions,
-                 any_worker: AnyWorker | None, devices: Sequence[torch.device] = ()) -> None:
+                 any_worker: AnyWorker | None, devices: Sequence[torch.device] = (),
+                 length: int | None = None) -> None:
         depth = options.prefetch_depth
         if depth is None:
             depth = default_depth(devices, options.experimental_fetch_to_device)
@@ -119,6 +142,12 @@ class DistributedIterator:
         self._last: Any = None
         self._exhausted = False
         self._finished = False
+        # Multi-worker: this worker's steps (its source's len(), if any) and, once every
+        # worker's is known (`WorkerVote.steps`, at the first step), the most of them:
+        # then no vote at each step. -1: not asked yet.
+        self._length = -1 if length is None else length
+        self._total: int | None = -1 if isinstance(any_worker, WorkerVote) else None
+        self._taken = 0
 
     def __iter__(self) -> DistributedIterator:
         return self
@@ -131,6 +160,8 @@ class DistributedIterator:
                 "outside and pass it in: strategy.run(fn, args=(next(iterator),))")
         if self._finished:
             raise StopIteration
+        if self._total is not None:
+            return self._counted_step()
         if not self._exhausted:
             try:
                 step = self._next_step()
@@ -155,6 +186,49 @@ class DistributedIterator:
                 "data; it cannot make empty batches shaped like theirs. Give every worker "
                 "at least one batch"
             )
+        return _empty_step(self._last)
+
+    def _counted_step(self) -> Any:
+        """`__next__` when every worker's count of steps is known (asked at the first):
+        this worker's batches, then empty ones shaped like its last until the longest
+        worker's count, with no vote; a count unknown anywhere: the vote at each step."""
+        total = self._total
+        if total == -1:
+            assert isinstance(self._any_worker, WorkerVote)  # (set so in __init__)
+            counts = self._any_worker.steps(self._length)
+            self._total = max(counts) if min(counts) >= 0 else None
+            return next(self)
+        assert total is not None  # (callers check)
+        if self._taken >= total:
+            self._finished = True
+            self._last = None
+            if not self._exhausted:  # (a source longer than its len(): found, not dropped)
+                try:
+                    self._next_step()
+                except StopIteration:
+                    pass
+                else:
+                    raise RuntimeError(
+                        f"this worker's dataset yielded more than the {self._length} batches "
+                        f"its len() promised; the workers agreed on {total} steps from their "
+                        "len()s and the others have stopped. Give the source a true len(), or "
+                        "none")
+            raise StopIteration
+        self._taken += 1
+        if not self._exhausted:
+            try:
+                self._last = self._next_step()
+                return self._last
+            except StopIteration:
+                self._exhausted = True
+            except BaseException:
+                self._finished = True
+                raise
+        if self._last is None:
+            raise RuntimeError(
+                "this worker's dataset yielded no batches while other workers still have "
+                "data; it cannot make empty batches shaped like theirs. Give every worker "
+                "at least one batch")
         return _empty_step(self._last)
 
     def get_next(self) -> Any:

@@ -8,6 +8,7 @@ from a cluster resolver and refuses workers with different local replica counts.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import final
 
@@ -21,6 +22,7 @@ from ..comm.communicator import Communicator
 from ..comm.cross_device_ops import CrossDeviceOps, NcclAllReduce
 from ..comm.distributed import DistributedCommunicator
 from ..comm.selection import CommunicatorSelector
+from ..data.iterator import WorkerVote
 from ..devices import Device, parse_devices
 from ..options import CommunicationImplementation, CommunicationOptions
 from ..runtime.runtime import ThreadRuntime
@@ -156,7 +158,9 @@ class MultiWorkerMirroredStrategy(Strategy):
                                         retime=retime)
         comm = selector.default
         assert isinstance(comm, DistributedCommunicator)  # built by wrap above
-        cluster = Cluster(resolver=resolver, vote=comm.any, sync=comm.broadcast_from_chief,
+        # (datasets whose every worker's source has a len() agree on their steps once)
+        vote = WorkerVote(comm.any, functools.partial(comm.agree, "the dataset's steps"))
+        cluster = Cluster(resolver=resolver, vote=vote, sync=comm.broadcast_from_chief,
                           leave=job.close, next_phase=ledger.next_phase)
         runtime = ThreadRuntime(topology, type(self).__name__,
                                 timeout_seconds=options.timeout_seconds)

@@ -304,6 +304,48 @@ def test_one_replica_message_says_why_it_is_refused() -> None:
     strategy.close()
 
 
+@pytest.mark.parametrize("check", ["cheap", "full"])
+def test_one_replica_watches_the_first_step_and_every_eighth_with_cheap(check: str) -> None:
+    # One replica in all: the gradients are the global ones, so a change before step()
+    # is only wrong on N replicas. "cheap" watches the steps the divergence check reads
+    # (its hooks removed in between: their cost on every step); "full" every step.
+    strategy = mirrored.MirroredStrategy(["CPU:0"])
+    model, optimizer = _model_and_optimizer(strategy, check=check)
+    reference = make_net()
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+
+    def step(clip: bool) -> None:
+        optimizer.zero_grad()
+        model(x).square().sum().backward()
+        if clip:
+            for p in model.parameters():
+                p.grad.mul_(0.5)
+        optimizer.step()
+
+    for k in range(8):  # the first step unchanged; then every step halves its gradients
+        assert bool(optimizer._watch.handles) == (k == 0 or check == "full"), k
+        if check == "full" and k == 1:
+            with pytest.raises(mirrored.ReplicaDivergenceError, match="changed in place"):
+                strategy.run(step, args=(True,))
+            strategy.close()
+            return
+        strategy.run(step, args=(k > 0,))
+        plain.zero_grad()
+        reference(x).square().sum().backward()
+        for p in reference.parameters():
+            p.grad.mul_(0.5 if k > 0 else 1.0)
+        plain.step()
+    # cheap: steps 1-7 unwatched trained as plain torch does on one replica; step 8 is
+    # watched again, and refused
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(),
+                                                 strict=True))
+    assert optimizer._watch.handles
+    with pytest.raises(mirrored.ReplicaDivergenceError, match="changed in place"):
+        strategy.run(step, args=(True,))
+    strategy.close()
+
+
 def test_one_replica_allowed_patterns_and_check_off() -> None:
     strategy = mirrored.MirroredStrategy(["CPU:0"])
     model, optimizer = _model_and_optimizer(strategy)
@@ -342,7 +384,8 @@ def test_one_replica_allowed_patterns_and_check_off() -> None:
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_grad_scaler_clip_after_unscale_on_one_replica_as_on_two(replicas: int) -> None:
     strategy = mirrored.MirroredStrategy([f"CPU:{i}" for i in range(replicas)])
-    model, optimizer = _model_and_optimizer(strategy)
+    # (check="full": one replica watches every step, not only the first and every 8th)
+    model, optimizer = _model_and_optimizer(strategy, check="full")
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
     batches = make_batches([8, 8])
     reference = make_net()
@@ -387,7 +430,7 @@ def test_grad_scaler_clip_after_unscale_on_one_replica_as_on_two(replicas: int) 
 
 def test_grad_scaler_skipped_step_leaves_nothing_settled_on_one_replica() -> None:
     strategy = mirrored.MirroredStrategy(["CPU:0"])
-    model, optimizer = _model_and_optimizer(strategy)
+    model, optimizer = _model_and_optimizer(strategy, check="full")  # (every step watched)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
 
     def overflowing() -> None:

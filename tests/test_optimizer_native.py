@@ -501,3 +501,32 @@ def test_plain_optimizers_elsewhere_are_untouched(two: mirrored.MirroredStrategy
         for got, want in zip(trained.parameters(), references[1].parameters(), strict=True):
             torch.testing.assert_close(got, want)
     one.close()
+
+
+def test_the_guard_follows_the_mirrored_models_lifetime() -> None:
+    # The user's module is copy 0: once its strategy is closed, or the module is
+    # mirrored again over one replica, a plain optimizer over it trains as in torch;
+    # an optimizer that stepped it before it was mirrored over two is refused after.
+    x, y = data()
+    module = net()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+
+    def plain_step() -> None:
+        ((module(x).squeeze(1) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    plain_step()  # cleared once, as a plain module
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    strategy.mirror(module)
+    with pytest.raises(RuntimeError, match=r"torch.optim.SGD.step\(\) would update"):
+        plain_step()
+    strategy.close()
+    plain_step()  # the strategy is closed: its copies are plain modules again
+    again = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    again.mirror(module)
+    one = mirrored.MirroredStrategy(["CPU:0"])
+    one.mirror(module)  # mirrored over one replica: a plain optimizer is right
+    plain_step()
+    again.close()
+    one.close()

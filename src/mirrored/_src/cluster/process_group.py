@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 
 from ..errors import StartupError
-from .leave import leave
 from .monitor import PeerMonitor
 
 _TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]
@@ -154,7 +153,7 @@ class Job:
         self._monitor = monitor
         self._closed = False
         # Dropped without close() (no strategy.close(), an exit), the job still departs.
-        self._departure = weakref.finalize(self, leave, monitor, host=store.server is not None)
+        self._departure = weakref.finalize(self, monitor.depart, host=store.server is not None)
 
     @classmethod
     def start(cls, spec: JobSpec, facts: Mapping[str, int] | None = None) -> Job:
@@ -263,7 +262,9 @@ class Job:
         self._store = None
         _log.info("worker %d of %d left the job at %s", self.rank, self.world_size,
                   self.spec.where)
-        gc.collect()  # (failed collectives' exceptions, in cycles, may hold group and store)
+        # Exceptions of failed collectives (kept in reference cycles through their
+        # tracebacks) may still hold the process group and the store: free them now.
+        gc.collect()
 
     def __repr__(self) -> str:
         s = self.spec

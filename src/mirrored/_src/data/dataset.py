@@ -7,7 +7,8 @@ gives each replica a pipeline of its own (``PER_REPLICA``). Both move chunks to
 the replica devices, optionally on a `Prefetcher` thread, and yield nests of
 `PerReplica` (plain values for one replica in one process, as TF). With several
 workers an optional ``any_worker`` vote keeps every worker stepping (on empty
-batches) while any still has data.
+batches) while any still has data; a `DistributedDataset` whose every worker's
+source has an exact ``len()`` agrees on its steps once instead.
 """
 
 from __future__ import annotations
@@ -207,12 +208,18 @@ def _check_iterable(value: Any, what: str) -> None:
                         f"a list); got {type(value).__name__}")
 
 
-def _length(dataset: Any) -> int | None:
-    """The dataset's steps on this worker, if its source has a ``len()`` (else ``None``)."""
+def _length(source: Any) -> int:
+    """The number of global batches ``source`` yields, if its ``len()`` says so exactly
+    (``-1``: unknown, and the workers vote at each step). An iterable dataset's, or
+    a ``DataLoader``'s over one, is only a hint (each loader worker may add a partial
+    batch): unknown."""
+    iterable = torch.utils.data.IterableDataset
+    if isinstance(source, iterable) or isinstance(getattr(source, "dataset", None), iterable):
+        return -1
     try:
-        return len(dataset)
-    except TypeError:
-        return None
+        return len(source)
+    except (TypeError, NotImplementedError):
+        return -1
 
 
 class DistributedDataset:
@@ -232,7 +239,9 @@ class DistributedDataset:
         options: an `InputOptions`; defaults to ``InputOptions()``.
         any_worker: with several workers, a vote ``any_worker(has_data) -> bool`` called
             once per step on every worker; while it says some worker has data, a worker
-            whose source ran out yields empty batches shaped like its last one.
+            whose source ran out yields empty batches shaped like its last one. A
+            `WorkerVote` first asks every worker's count of steps (its source's exact
+            ``len()``): when all are known, they step to the largest without voting.
 
     Raises:
         TypeError: ``source`` is not iterable, or ``options`` not an `InputOptions`.
@@ -266,7 +275,7 @@ class DistributedDataset:
         steps = _global_batch_steps(self._source, self._topology,
                                     self._options.experimental_fetch_to_device)
         return DistributedIterator(steps, self._options, self._any_worker,
-                                   self._topology.torch_devices, _length(self))
+                                   self._topology.torch_devices, _length(self._source))
 
     def __len__(self) -> int:
         """The number of batches of the source; `TypeError` when it has no ``len()``."""
@@ -341,7 +350,7 @@ class DistributedDatasetsFromFunction:
         steps = _whole_element_steps(pipelines, self._topology,
                                      self._options.experimental_fetch_to_device)
         return DistributedIterator(steps, self._options, self._any_worker,
-                                   self._topology.torch_devices, _length(self))
+                                   self._topology.torch_devices)
 
     def __len__(self) -> int:
         """Steps on this worker: ``ceil(len(elements) / local replicas)`` (``PER_REPLICA``:

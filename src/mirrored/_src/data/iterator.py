@@ -2,9 +2,10 @@
 what its ``get_next_as_optional`` returns (TF's iterator members, SPEC §9).
 
 The iterator pulls prepared steps from a `Prefetcher` (or inline), keeps every
-worker stepping while any still has data (the ``any_worker`` vote, with empty
-batches shaped like this worker's last one), and refuses to be advanced from
-inside a replica, as TF does.
+worker stepping while any still has data (empty batches shaped like this worker's
+last one: the workers agree on their counts of steps once, from their sources'
+``len()`` (`WorkerVote`), or vote at each step when a count is unknown), and refuses
+to be advanced from inside a replica, as TF does.
 """
 
 from __future__ import annotations
@@ -142,11 +143,13 @@ class DistributedIterator:
         self._last: Any = None
         self._exhausted = False
         self._finished = False
-        # Multi-worker: this worker's steps (its source's len(), if any) and, once every
-        # worker's is known (`WorkerVote.steps`, at the first step), the most of them:
-        # then no vote at each step. -1: not asked yet.
+        # Multi-worker: this worker's steps (``length``: its source's len(), -1 if
+        # unknown; None: not asked, e.g. per-worker pipelines) and, once every worker's
+        # is known (`WorkerVote.steps`, at the first step), the most of them: then no
+        # vote at each step. _total -1: not asked yet; None: vote.
         self._length = -1 if length is None else length
-        self._total: int | None = -1 if isinstance(any_worker, WorkerVote) else None
+        self._total: int | None = (-1 if isinstance(any_worker, WorkerVote)
+                                   and length is not None else None)
         self._taken = 0
 
     def __iter__(self) -> DistributedIterator:
@@ -197,6 +200,14 @@ class DistributedIterator:
             assert isinstance(self._any_worker, WorkerVote)  # (set so in __init__)
             counts = self._any_worker.steps(self._length)
             self._total = max(counts) if min(counts) >= 0 else None
+            if self._total and not min(counts):  # (every worker raises, at the same step)
+                self._finished = True
+                raise RuntimeError(
+                    f"the dataset has no batches on worker(s) "
+                    f"{[w for w, c in enumerate(counts) if c == 0]} while others have "
+                    f"{self._total} (the workers' len(): {counts}); a worker without any "
+                    "batch cannot make empty batches shaped like the others'. Give every "
+                    "worker at least one batch")
             return next(self)
         assert total is not None  # (callers check)
         if self._taken >= total:
@@ -208,6 +219,7 @@ class DistributedIterator:
                 except StopIteration:
                     pass
                 else:
+                    self._steps.close()
                     raise RuntimeError(
                         f"this worker's dataset yielded more than the {self._length} batches "
                         f"its len() promised; the workers agreed on {total} steps from their "

@@ -22,6 +22,7 @@ from ..options import CommunicationOptions
 from ..reduce_op import ReduceOp
 from ..runtime.runtime import Runtime
 from ..topology import Topology
+from ..training import plain_optimizer
 from ..training.module import MirroredModule, mirror
 from ..training.optimizer import MirroredOptimizer, mirror_optimizer
 from ..values import ValueContext
@@ -99,6 +100,7 @@ class Strategy:
             raise RuntimeError(f"{self._parts.name}.close cannot be called inside run (a "
                                "replica or a merge_fn); call it after run returns")
         self._parts.runtime.close()
+        plain_optimizer.forget(self)
         if self._parts.cluster is not None:
             self._parts.cluster.leave()
 

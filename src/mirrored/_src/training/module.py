@@ -373,6 +373,6 @@ def mirror(strategy: Strategy, module: nn.Module, *,
     for device in devices[1:]:
         copies.append(copy.deepcopy(module).to(device))
     calls = None if compiler is None else tuple(compiler(c) for c in copies)
-    register_copies(copies, strategy.num_replicas_in_sync)  # (a plain optimizer is refused)
+    register_copies(copies, strategy)  # (a plain optimizer over them is refused)
     return MirroredModule(strategy, tuple(copies), sync_batch_norm=sync_batch_norm,
                           calls=calls)

@@ -94,10 +94,10 @@ class MirroredOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
         self._module, self._strategy = module, module.strategy
         self._known = module._known  # replica context -> local index (the fast lookup)
-        self._optimizers, self._params, self._names = optimizers, params, names
+        self._optimizers, self._params, self._names = trust(self, optimizers), params, names
         parts = module.strategy._parts  # one replica in all: no reducer call, the same refusals
         self._solo = parts.topology.num_replicas_in_sync == 1 and parts.cluster is None
-        self._watch = GradientWatch(params) if self._solo and check != "off" else None
+        self._watch = GradientWatch(params, check) if self._solo and check != "off" else None
         self._reducer = GradientReducer(module, params, names,
                                         check="off" if self._solo else check, buffers=buffers,
                                         overlap=overlap, bucket_bytes=_overlap.DEFAULT_BUCKET_BYTES)
@@ -315,9 +315,9 @@ def mirror_optimizer(strategy: Strategy, mirrored_module: MirroredModule,
             Ask for ``foreach=True`` (or ``fused=True``) for speed on CPU.
         check: how ``step()`` makes sure the copies stay equal. ``"cheap"`` (the
             default): one 2-norm per parameter, compared across replicas bit for bit
-            in the step's all-reduce at the first step and every 8th after, and at
-            every step, gradients changed in place between ``backward()`` and
-            ``step()`` (``clip_grad_norm_`` before ``step``) refused; ``"full"``
+            in the step's all-reduce at the first step and every 8th after, and
+            gradients changed in place between ``backward()`` and ``step()`` refused at
+            every step (one replica in all: the first and every 8th); ``"full"``
             (for debugging): at every step, the norms and the sum of every tensor's
             bit patterns (a one-bit difference shows); ``"off"``: no checks. A
             difference raises `ReplicaDivergenceError` at the next checked step.
@@ -396,5 +396,5 @@ def mirror_optimizer(strategy: Strategy, mirrored_module: MirroredModule,
         params.append(ordered)
     named = {id(p): name for name, p in mirrored_module.replicas[0].named_parameters()}
     names = [named[id(p)] for p in params[0]]
-    return trust(MirroredOptimizer(mirrored_module, tuple(optimizers), tuple(params), names,
-                                   check=check, buffers=buffers, overlap=overlap), *optimizers)
+    return MirroredOptimizer(mirrored_module, tuple(optimizers), tuple(params), names,
+                             check=check, buffers=buffers, overlap=overlap)

@@ -16,6 +16,7 @@ it among the hooks it must run.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterable
 from typing import Any, TypeVar
 
@@ -23,39 +24,50 @@ import torch
 import torch.optim.optimizer as _torch_optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["GUARD", "register_copies", "trust"]
+__all__ = ["GUARD", "forget", "register_copies", "trust"]
 
 T = TypeVar("T")
 _TRUSTED = "_mirrored_trusted"
 _lock = threading.Lock()
-# parameter of a copy -> (copy's index, its name, the strategy's replica count)
-_copies: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# parameter of a copy -> (copy's index, its name, the replica count, the strategy, weakly)
+_copies: Any = WeakIdKeyDictionary()
 # optimizer -> the number of parameters it had when found clear of copies
-_clear: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_clear: Any = WeakIdKeyDictionary()
 GUARD = [0]  # global pre-hooks of this module's: 1 once installed
 
 
-def register_copies(copies: Iterable[torch.nn.Module], num_replicas: int) -> None:
-    """Records the parameters of a mirrored module's ``copies`` (``num_replicas`` in
-    sync; with one, a plain optimizer trains the one copy as one device: nothing is
-    recorded) and installs the hook once."""
-    if num_replicas < 2:
-        return
+def register_copies(copies: Iterable[torch.nn.Module], strategy: Any) -> None:
+    """Records the parameters of ``strategy``'s mirrored module's ``copies`` (with one
+    replica in all a plain optimizer trains the one copy as one device: their records,
+    from an earlier mirroring, are dropped instead) and installs the hook once."""
+    n = strategy.num_replicas_in_sync
     with _lock:
+        _clear.clear()  # (an optimizer cleared before may hold these parameters)
         for k, copy in enumerate(copies):
             for name, p in copy.named_parameters():
-                _copies[p] = (k, name, num_replicas)
-        if not GUARD[0]:
+                if n > 1:
+                    _copies[p] = (k, name, n, weakref.ref(strategy))
+                else:
+                    _copies.pop(p, None)
+        if n > 1 and not GUARD[0]:
             _torch_optimizer.register_optimizer_step_pre_hook(_refuse)
             GUARD[0] = 1
 
 
-def trust(mirrored: T, *optimizers: torch.optim.Optimizer) -> T:
-    """Marks a mirrored optimizer and its per-replica ``optimizers`` (stepped as part of
-    its step) as trusted; returns ``mirrored``."""
-    for optimizer in (mirrored, *optimizers):
+def forget(strategy: Any) -> None:
+    """Drops the records of ``strategy``'s copies (``strategy.close()``): their
+    parameters may be trained as plain modules afterwards."""
+    with _lock:
+        for p in [p for p, (*_, ref) in _copies.items() if ref() in (None, strategy)]:
+            del _copies[p]
+
+
+def trust(owner: torch.optim.Optimizer, optimizers: T) -> T:
+    """Marks a mirrored optimizer (``owner``) and its per-replica ``optimizers``
+    (stepped as part of its step) as trusted; returns ``optimizers``."""
+    for optimizer in (owner, *optimizers):  # type: ignore[misc]
         setattr(optimizer, _TRUSTED, True)
-    return mirrored
+    return optimizers
 
 
 def _refuse(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -63,13 +75,13 @@ def _refuse(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if getattr(optimizer, _TRUSTED, False):
         return
     count = sum(len(group["params"]) for group in optimizer.param_groups)
-    if _clear.get(optimizer) == count:  # type: ignore[no-untyped-call]
+    if _clear.get(optimizer) == count:
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
-            found = _copies.get(p)  # type: ignore[no-untyped-call]
-            if found is not None:
-                k, name, n = found
+            found = _copies.get(p)
+            if found is not None and found[3]() is not None:  # (a strategy still alive)
+                k, name, n, _ = found
                 kind = type(optimizer)
                 plain = kind.__qualname__
                 plain = (f"torch.optim.{plain}" if getattr(torch.optim, plain, None) is kind

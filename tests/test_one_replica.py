@@ -343,6 +343,7 @@ def test_one_replica_watches_the_first_step_and_every_eighth_with_cheap(check: s
     assert optimizer._watch.handles
     with pytest.raises(mirrored.ReplicaDivergenceError, match="changed in place"):
         strategy.run(step, args=(True,))
+    strategy.run(step, args=(False,))  # refused once: not again (nor by zero_grad)
     strategy.close()
 
 

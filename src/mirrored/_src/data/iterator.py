@@ -202,6 +202,7 @@ class DistributedIterator:
             self._total = max(counts) if min(counts) >= 0 else None
             if self._total and not min(counts):  # (every worker raises, at the same step)
                 self._finished = True
+                self._steps.close()
                 raise RuntimeError(
                     f"the dataset has no batches on worker(s) "
                     f"{[w for w, c in enumerate(counts) if c == 0]} while others have "
@@ -233,6 +234,13 @@ class DistributedIterator:
                 return self._last
             except StopIteration:
                 self._exhausted = True
+                if self._taken <= self._length:  # (the workers counted on its len())
+                    self._finished = True
+                    raise RuntimeError(
+                        f"this worker's dataset yielded {self._taken - 1} batches, fewer than "
+                        f"the {self._length} its len() promised; the workers agreed on {total} "
+                        "steps from their len()s, and empty steps in their place would still "
+                        "step the optimizers. Give the source a true len(), or none") from None
             except BaseException:
                 self._finished = True
                 raise

@@ -222,6 +222,7 @@ class GradientWatch:
             self.seen[r] = self._none[r]
             return
         changed = self.modified(r, self._params[r])  # one at least: name them all
+        self.clear(r)  # (refused once: not again at a later, unwatched step)
         raise ReplicaDivergenceError(modified_message([names[k] for k in changed], replica(),
                                                       replicas))
 

@@ -252,8 +252,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
 
         Raises:
             ReplicaDivergenceError: the gradients of a ``backward()`` were never
-                all-reduced (no ``step()`` since): each copy would be updated with
-                its own gradients (a manual update) or they would be lost.
+                all-reduced (no ``step()`` since; one replica in all, ``"cheap"``:
+                on the steps it watches): a manual update, or lost gradients.
         """
         ctx = context.current_replica_context()  # (replica_index's lookup, inlined)
         r = None if ctx is None else self._known.get(ctx)

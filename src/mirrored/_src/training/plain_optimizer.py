@@ -34,6 +34,7 @@ _copies: Any = WeakIdKeyDictionary()
 # optimizer -> the number of parameters it had when found clear of copies
 _clear: Any = WeakIdKeyDictionary()
 GUARD = [0]  # global pre-hooks of this module's: 1 once installed
+_generation = [0]  # mirrorings so far: a check that overlapped one is not cached
 
 
 def register_copies(copies: Iterable[torch.nn.Module], strategy: Any) -> None:
@@ -43,6 +44,7 @@ def register_copies(copies: Iterable[torch.nn.Module], strategy: Any) -> None:
     n = strategy.num_replicas_in_sync
     with _lock:
         _clear.clear()  # (an optimizer cleared before may hold these parameters)
+        _generation[0] += 1
         for k, copy in enumerate(copies):
             for name, p in copy.named_parameters():
                 if n > 1:
@@ -75,6 +77,7 @@ def _refuse(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if getattr(optimizer, _TRUSTED, False):
         return
     count = sum(len(group["params"]) for group in optimizer.param_groups)
+    generation = _generation[0]
     if _clear.get(optimizer) == count:
         return
     for group in optimizer.param_groups:
@@ -95,4 +98,5 @@ def _refuse(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
                     "mirrored does in the mirrored optimizer's step). Nothing was updated. "
                     "Build it with strategy.mirror_optimizer(model, lambda params: "
                     f"{plain}(params, ...)) and step that")
-    _clear[optimizer] = count
+    if generation == _generation[0]:
+        _clear[optimizer] = count

@@ -425,22 +425,6 @@ def test_a_source_without_len_on_any_worker_makes_every_worker_vote_at_each_step
 
 
 @pytest.mark.timeout(30)
-def test_a_source_shorter_than_its_len_raises_instead_of_empty_steps() -> None:
-    class Lying(list):  # two batches, but len() says three
-        def __len__(self) -> int:
-            return 3
-
-    def make(index: int, any_worker: Callable[[bool], bool]) -> DistributedDataset:
-        topo = Topology(devices=parse_devices(["CPU:0"]), worker_index=index, num_workers=2)
-        return DistributedDataset(Lying([torch.ones(2)] * 2), topo, options(0),
-                                  any_worker=any_worker)
-
-    with pytest.raises(RuntimeError, match=r"yielded 2 batches, fewer than the 3 its len\(\) "
-                                           r"promised"):
-        run_workers(make, counted=True)
-
-
-@pytest.mark.timeout(30)
 def test_an_iterable_datasets_len_is_a_hint_so_its_workers_vote() -> None:
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):
@@ -462,18 +446,22 @@ def test_an_iterable_datasets_len_is_a_hint_so_its_workers_vote() -> None:
 
 
 @pytest.mark.timeout(30)
-def test_a_source_longer_than_its_len_raises_instead_of_dropping_batches() -> None:
-    class Lying(list):  # three batches, but len() says two
+@pytest.mark.parametrize(("said", "has", "message"), [
+    (3, 2, r"yielded 2 batches, fewer than the 3 its len\(\) promised"),  # empty steps
+    (2, 3, r"yielded more than the 2 batches its len\(\) promised; the workers agreed on 2 "
+           r"steps"),  # dropped batches
+])
+def test_a_source_whose_len_is_wrong_raises(said: int, has: int, message: str) -> None:
+    class Lying(list):
         def __len__(self) -> int:
-            return 2
+            return said
 
     def make(index: int, any_worker: Callable[[bool], bool]) -> DistributedDataset:
         topo = Topology(devices=parse_devices(["CPU:0"]), worker_index=index, num_workers=2)
-        source = Lying([torch.ones(2)] * 3) if index == 1 else [torch.ones(2)] * 2
+        source = Lying([torch.ones(2)] * has) if index == 1 else [torch.ones(2)] * min(said, has)
         return DistributedDataset(source, topo, options(0), any_worker=any_worker)
 
-    with pytest.raises(RuntimeError, match=r"yielded more than the 2 batches its len\(\) "
-                                           r"promised; the workers agreed on 2 steps"):
+    with pytest.raises(RuntimeError, match=message):
         run_workers(make, counted=True)
 
 

@@ -530,3 +530,23 @@ def test_the_guard_follows_the_mirrored_models_lifetime() -> None:
     plain_step()
     again.close()
     one.close()
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_dropped_mirrored_optimizer_takes_its_gradient_hooks_along(replicas: int) -> None:
+    import gc
+
+    strategy = mirrored.MirroredStrategy([f"CPU:{i}" for i in range(replicas)])
+    model = strategy.mirror(net())
+    first = model.replicas[0][0].weight
+
+    def hooks() -> int:
+        return len(getattr(first, "_post_accumulate_grad_hooks", None) or {})
+
+    for _ in range(3):  # rebuilt three times: one optimizer's hooks at a time
+        opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+        assert hooks() == 1
+        del opt
+        gc.collect()
+        assert hooks() == 0
+    strategy.close()

@@ -15,6 +15,7 @@ post-accumulate-grad hook; an in-place change afterwards (``clip_grad_norm_``,
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -144,7 +145,10 @@ class GradientWatch:
         self.fresh = [False] * len(params)
         self._queued = [False] * len(params)
         self._every, self._settled = CHEAP_EVERY if check == "cheap" else 1, 0
-        self.handles = self._register()
+        self.handles = self._register()  # (changed in place: the finalizer holds it)
+        # A watch dropped with its optimizer takes its hooks along (their closures do
+        # not hold it): left, each rebuilt optimizer added two, and kept its records.
+        weakref.finalize(self, _remove, self.handles)
 
     def _register(self) -> list[Any]:
         return [p.register_post_accumulate_grad_hook(self._hook(r))  # type: ignore[no-untyped-call]
@@ -210,7 +214,7 @@ class GradientWatch:
             self._settled += 1
             watched = self._settled % self._every == 0
             if watched != bool(self.handles):
-                self.handles = self._register() if watched else self.remove()
+                self.handles[:] = self._register() if watched else self.remove()
         if not self.fresh[r]:
             return
         for p, s in zip(self._params[r], self.seen[r], strict=True):  # (`modified`, inlined)
@@ -228,9 +232,13 @@ class GradientWatch:
 
     def remove(self) -> list[Any]:
         """Removes every hook; returns no handles."""
-        for h in self.handles:
-            h.remove()
+        _remove(self.handles)
         return []
+
+
+def _remove(handles: Sequence[Any]) -> None:
+    for h in handles:
+        h.remove()
 
 
 def modified_message(names: Sequence[str], replica: int, replicas: int = 2) -> str:

@@ -244,11 +244,7 @@ class DistributedIterator:
             except BaseException:
                 self._finished = True
                 raise
-        if self._last is None:
-            raise RuntimeError(
-                "this worker's dataset yielded no batches while other workers still have "
-                "data; it cannot make empty batches shaped like theirs. Give every worker "
-                "at least one batch")
+        # (a batch was yielded: a worker with none raised at the agreement, or above)
         return _empty_step(self._last)
 
     def get_next(self) -> Any:

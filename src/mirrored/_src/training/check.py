@@ -213,8 +213,10 @@ class GradientWatch:
         if self._every > 1:  # (the next step watched or not: see the class docstring)
             self._settled += 1
             watched = self._settled % self._every == 0
-            if watched != bool(self.handles):
-                self.handles[:] = self._register() if watched else self.remove()
+            if watched and not self.handles:
+                self.handles[:] = self._register()
+            elif not watched and self.handles:
+                self.remove()
         if not self.fresh[r]:
             return
         for p, s in zip(self._params[r], self.seen[r], strict=True):  # (`modified`, inlined)
@@ -230,10 +232,10 @@ class GradientWatch:
         raise ReplicaDivergenceError(modified_message([names[k] for k in changed], replica(),
                                                       replicas))
 
-    def remove(self) -> list[Any]:
-        """Removes every hook; returns no handles."""
+    def remove(self) -> None:
+        """Removes every hook."""
         _remove(self.handles)
-        return []
+        self.handles.clear()
 
 
 def _remove(handles: Sequence[Any]) -> None:

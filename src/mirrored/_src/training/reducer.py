@@ -48,7 +48,6 @@ if TYPE_CHECKING:
 __all__ = ["CHEAP_EVERY", "GradientReducer"]
 
 
-
 class GradientReducer:
     """Each local replica's side of the step's all-reduce.
 

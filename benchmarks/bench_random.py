@@ -14,7 +14,9 @@
     the README's digits MLP (no dropout: nothing random runs). Target: streams cost
     <= 5 % of a dropout-heavy step.
 (c) ``torch.compile`` of a small GPT-like block with dropout, called inside ``run`` on
-    2 replicas: graph breaks counted by Dynamo, and compiled against eager step time.
+    2 replicas: graph breaks counted by Dynamo, and compiled against eager step time,
+    next to plain torch (no strategy) running the same two batches in turn, eager and
+    compiled: whether compiling pays on this model at all, and what the strategy adds.
 
 Medians over interleaved repeats (variants alternate, so machine noise hits them
 alike). The machine may be shared: read the ratios, not single figures.
@@ -23,6 +25,7 @@ alike). The machine may be shared: read the ratios, not single figures.
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 import timeit
@@ -233,11 +236,25 @@ def compiled(quick: bool) -> None:
     again = strategy.experimental_local_results(step())
     breaks = sum(counters["graph_break"].values())
     same = all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
-    times = interleaved({"eager": make(model), "compiled": step}, repeats=5 if quick else 15,
-                        inner=3 if quick else 10)
+    plain = torch.compile(copy.deepcopy(model))
+
+    def alone(net: nn.Module) -> Callable[[], object]:
+        def train() -> None:  # plain torch, no strategy: both replicas' batches in turn
+            for i in range(2):
+                net(tokens[i]).logsumexp(-1).mean().backward()
+        return train
+
+    alone(plain)()  # compiles
+    times = interleaved({"eager": make(model), "compiled": step, "plain eager": alone(model),
+                         "plain compiled": alone(plain)},
+                        repeats=5 if quick else 15, inner=3 if quick else 10)
+    e, c, pe, pc = (times[k] * 1e3 for k in ("eager", "compiled", "plain eager",
+                                             "plain compiled"))
     print(f"(c) GPT-like, 2 blocks, 2 replicas: graph breaks {breaks}, compiled reproducible "
-          f"from manual_seed: {same}; step eager {times['eager'] * 1e3:.2f} ms, compiled "
-          f"{times['compiled'] * 1e3:.2f} ms ({times['compiled'] / times['eager']:.2f}x)")
+          f"from manual_seed: {same}; step eager {e:.2f} ms, compiled {c:.2f} ms "
+          f"({c / e:.2f}x); plain torch, the same two batches in turn on one thread: eager "
+          f"{pe:.2f} ms, compiled {pc:.2f} ms ({pc / pe:.2f}x); mirrored vs plain: eager "
+          f"{e / pe:.2f}x, compiled {c / pc:.2f}x")
 
 
 def main() -> None:

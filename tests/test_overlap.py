@@ -59,11 +59,16 @@ def batches(steps: int, parts: int, dtype: torch.dtype) -> list[list[torch.Tenso
 
 def train(strategy: mirrored.Strategy, overlap: bool, *, dtype: torch.dtype = torch.float32,
           steps: int = 5, accumulate: tuple[int, ...] = (1,) * 5, unused_at: int = -1,
-          scaler: bool = False) -> tuple[list[torch.Tensor], mirrored.MirroredOptimizer]:
+          scaler: bool = False, frozen: bool = False
+          ) -> tuple[list[torch.Tensor], mirrored.MirroredOptimizer]:
     """Trains on ``steps`` global batches; each replica gets 4 rows per backward,
-    ``accumulate[step]`` backward passes per step."""
+    ``accumulate[step]`` backward passes per step; ``frozen``: the middle Linear frozen
+    (through the mirrored model, as torch freezes a part) and kept in the optimizer."""
     n = strategy.num_replicas_in_sync
     model = strategy.mirror(Net(dtype))
+    if frozen:
+        for p in model.body[3].parameters():
+            p.requires_grad = False
     opt = strategy.mirror_optimizer(
         model, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), overlap=overlap)
     amp = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaler else None
@@ -91,6 +96,9 @@ def train(strategy: mirrored.Strategy, overlap: bool, *, dtype: torch.dtype = to
                 if local.num_local_replicas > 1 else rows[first * 2 + a]
                 for a in range(accumulate[index])]
         strategy.run(step, args=(index, *args))
+    if frozen:  # frozen on every copy (of every worker): untouched
+        initial = Net(dtype).body[3].weight
+        assert all(torch.equal(c.body[3].weight, initial) for c in model.replicas)
     return [t.detach().clone() for t in model.replicas[0].state_dict().values()], opt
 
 
@@ -114,7 +122,8 @@ def assert_bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
 # Accumulation: steps 3 and 4 take two backward passes: step 3's launched buckets go
 # stale (redone at the step), step 4 launches at step(), step 5 launches in backward.
 ACCUMULATE = {"accumulate": (1, 1, 2, 2, 1)}
-CASES = [{}, ACCUMULATE, {"accumulate": (2,) * 5}, {"unused_at": 2}, {"scaler": True}]
+CASES = [{}, ACCUMULATE, {"accumulate": (2,) * 5}, {"unused_at": 2}, {"scaler": True},
+         {"frozen": True}]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -204,7 +213,7 @@ def _worker_train(local: int) -> list[list[torch.Tensor]]:
         devices=[f"CPU:{i}" for i in range(local)])
     try:
         out = []
-        for case in ({}, ACCUMULATE, {"unused_at": 2}):
+        for case in ({}, ACCUMULATE, {"unused_at": 2}, {"frozen": True}):
             for overlap in (False, True):
                 params, opt = train(strategy, overlap, **case)  # type: ignore[arg-type]
                 buckets = opt._reducer.buckets

@@ -20,7 +20,7 @@ EXAMPLES = dict(BLOCK.findall(GUIDE.read_text()))
 
 def test_the_guide_has_its_examples() -> None:
     assert {"setup", "one_device", "clip", "make_optimizer", "tokens", "buffers",
-            "grad_scaler", "compile", "evaluation", "checkpoints"} <= set(EXAMPLES)
+            "grad_scaler", "compile", "evaluation", "checkpoints", "freeze"} <= set(EXAMPLES)
 
 
 def run_example(name: str) -> None:

@@ -87,6 +87,8 @@ class Parts:
     optimizer compares them across replicas); ``loss_calls[i]``: how many times it
     called ``compute_average_loss`` (each mirrored optimizer notes the count at its
     step, so several optimizers stepping after one loss each see the call).
+    ``copies_checked[0]``: the count of possible changes to a mirrored module's copies
+    at which ``run`` last compared this strategy's copies (``training.structure``).
     """
 
     strategy_ref: weakref.ReferenceType[Any]
@@ -98,10 +100,12 @@ class Parts:
     cluster: Cluster | None = None
     loss_divisors: list[int] = dataclasses.field(init=False)
     loss_calls: list[int] = dataclasses.field(init=False)
+    copies_checked: list[int] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "loss_divisors", [0] * self.topology.num_local_replicas)
         object.__setattr__(self, "loss_calls", [0] * self.topology.num_local_replicas)
+        object.__setattr__(self, "copies_checked", [0])
 
     @property
     def strategy(self) -> Any:

@@ -151,9 +151,15 @@ class GradientWatch:
         weakref.finalize(self, _remove, self.handles)
 
     def _register(self) -> list[Any]:
-        return [p.register_post_accumulate_grad_hook(self._hook(r))  # type: ignore[no-untyped-call]
-                for r, ps in enumerate(self._params)
-                for p in {id(ps[0]): ps[0], id(ps[-1]): ps[-1]}.values()]
+        # On the first and last parameter that requires a gradient (torch refuses a hook
+        # on a frozen one; a replica with none frozen in all is not watched).
+        handles = []
+        for r, ps in enumerate(self._params):
+            live = [p for p in ps if p.requires_grad]
+            for p in {id(q): q for q in live[:1] + live[-1:]}.values():
+                handles.append(p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                    self._hook(r)))
+        return handles
 
     def _hook(self, r: int) -> Callable[[torch.Tensor], None]:
         # Closures over locals: these run between the kernels of every backward.

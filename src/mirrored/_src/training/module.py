@@ -28,6 +28,7 @@ from ..devices import parse_device
 from .batch_norm import convert_batch_norm
 from .copies import CopiesModule
 from .plain_optimizer import register_copies
+from .structure import CHANGES, watch
 
 if TYPE_CHECKING:
     from mirrored import ReplicaContext, Strategy
@@ -93,8 +94,11 @@ class MirroredModule(CopiesModule):
     attributes of) its own copy; elsewhere the module behaves like replica 0's copy.
     Members that change the module (``train``, ``apply``, ``half``, hooks, attribute
     assignment) act on every copy outside ``run`` and on the replica's own copy
-    inside it. ``parameters()`` yields one model's parameters, once.
-    ``pickle``/``torch.save``/``copy.deepcopy`` give a plain module: a copy of
+    inside it. ``parameters()`` yields one model's parameters, once. Changes made
+    outside ``run`` through replica 0's submodules or parameters: ``requires_grad``
+    is copied to every copy when the next ``run`` starts; a submodule or parameter
+    added, replaced or tied on that copy alone makes the next ``run`` raise
+    ``RuntimeError``. ``pickle``/``torch.save``/``copy.deepcopy`` give a plain module: a copy of
     replica 0's. Replica 0's copy is the module given to `mirror` (moved to the
     first device); the others are deep copies. Build with `mirror`, train with
     `mirror_optimizer`.
@@ -149,11 +153,17 @@ class MirroredModule(CopiesModule):
 
     def _current(self) -> nn.Module:
         index = self._index()
-        return self._copies[0 if index is None else index]
+        if index is None:  # replica 0's insides, outside run: the next run checks the copies
+            CHANGES[0] += 1
+            return self._copies[0]
+        return self._copies[index]
 
     def _targets(self) -> tuple[nn.Module, ...]:
         index = self._index()
-        return self._copies if index is None else (self._copies[index],)
+        if index is None:
+            CHANGES[0] += 1
+            return self._copies
+        return (self._copies[index],)
 
     def _cross_replica(self, what: str) -> None:
         if self._index() is not None:
@@ -374,5 +384,8 @@ def mirror(strategy: Strategy, module: nn.Module, *,
         copies.append(copy.deepcopy(module).to(device))
     calls = None if compiler is None else tuple(compiler(c) for c in copies)
     register_copies(copies, strategy)  # (a plain optimizer over them is refused)
-    return MirroredModule(strategy, tuple(copies), sync_batch_norm=sync_batch_norm,
-                          calls=calls)
+    mirrored = MirroredModule(strategy, tuple(copies), sync_batch_norm=sync_batch_norm,
+                              calls=calls)
+    if len(copies) > 1:  # (changes reaching replica 0's copy alone are caught)
+        watch(mirrored)
+    return mirrored

@@ -33,6 +33,7 @@ from .check import CHECKS, Check, GradientWatch, discarded_message
 from .module import MirroredModule, as_mirrored_module, replica_index, replica_of
 from .plain_optimizer import GUARD, trust
 from .reducer import GradientReducer
+from .structure import check_module
 
 # torch's registries of global optimizer hooks (empty dicts if this torch has none).
 _GLOBAL_PRE_HOOKS: dict[Any, Any] = getattr(_torch_optimizer, "_global_optimizer_pre_hooks", {})
@@ -295,10 +296,6 @@ class MirroredOptimizer(torch.optim.Optimizer):
         return f"MirroredOptimizer({len(self._optimizers)} x {self._optimizers[0]!r})"
 
 
-def _ordered_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
-
-
 def mirror_optimizer(strategy: Strategy, mirrored_module: MirroredModule,
                      make_optimizer: MakeOptimizer, *, check: Check = "cheap",
                      buffers: BufferRule = "average", overlap: bool | None = None
@@ -337,12 +334,11 @@ def mirror_optimizer(strategy: Strategy, mirrored_module: MirroredModule,
             in an order that depends on the position in the transfer).
 
     Raises:
-        TypeError: not a `MirroredModule`, ``make_optimizer`` returned something
-            other than a ``torch.optim.Optimizer``, or ``overlap`` is not a bool or
-            ``None``.
-        ValueError: the module belongs to another strategy, the optimizers do not
-            cover the same parameters of every copy in the same order, or ``check``
-            or ``buffers`` is not one of its values.
+        TypeError: not a `MirroredModule`, ``make_optimizer`` returned no optimizer, or
+            ``overlap`` is not a bool or ``None``.
+        ValueError: another strategy's module, optimizers over other parameters on
+            some copy, or a ``check`` or ``buffers`` that is not one of its values.
+        RuntimeError: the copies differ in layout (see `MirroredModule`).
 
     Example:
         >>> import torch, mirrored
@@ -373,6 +369,7 @@ def mirror_optimizer(strategy: Strategy, mirrored_module: MirroredModule,
     topology = strategy._parts.topology
     if overlap is None:  # across workers; elastic: one all-reduce carries the step's vote
         overlap = topology.num_workers > 1 and not topology.elastic
+    check_module(mirrored_module)  # (requires_grad set on replica 0's copy only: copied)
     amp.install()
     optimizers, params = [], []
     positions: list[int] | None = None
@@ -382,7 +379,7 @@ def mirror_optimizer(strategy: Strategy, mirrored_module: MirroredModule,
             raise TypeError(f"make_optimizer must return a torch.optim.Optimizer; got "
                             f"{type(optimizer).__name__} for replica {r}")
         index = {id(p): k for k, p in enumerate(module.parameters())}
-        ordered = _ordered_params(optimizer)
+        ordered = [p for group in optimizer.param_groups for p in group["params"]]
         where = [index.get(id(p), -1) for p in ordered]
         if -1 in where or not ordered:
             raise ValueError(f"make_optimizer must build an optimizer over the parameters it "

@@ -188,9 +188,12 @@ class GradientBuckets:
         self.stats = {"steps": 0.0, "comm_s": 0.0, "hidden_s": 0.0, "redone": 0.0,
                       "early": 0.0}
         self._reset()
+        # A frozen parameter gets no hook (torch refuses one): its bucket completes when
+        # the backward pass ends, where an unused gradient counts as zeros.
         self.handles = [p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                             _hook(weakref.ref(self), r, k))
-                        for r, ps in enumerate(params) for k, p in enumerate(ps)]
+                        for r, ps in enumerate(params) for k, p in enumerate(ps)
+                        if p.requires_grad]
         # An optimizer dropped (or replaced) must not launch collectives any more.
         weakref.finalize(self, _remove, self.handles)
 

@@ -41,6 +41,7 @@ from .check import (
 )
 from .module import MirroredModule
 from .overlap import GradientBuckets, bucket_plan
+from .structure import frozen_message
 
 if TYPE_CHECKING:
     from mirrored import ReplicaContext
@@ -187,6 +188,10 @@ class GradientReducer:
                             "a sparse gradient (e.g. nn.Embedding(sparse=True)): use dense "
                             "gradients (sparse=False)")
         missing = [k for k, t in enumerate(grads) if t is None]
+        for k in missing:  # frozen on some copies only (changed through an old reference)?
+            if any(ps[k].requires_grad != params[k].requires_grad for ps in self._params):
+                raise RuntimeError(frozen_message(
+                    self._names[k], [ps[k].requires_grad for ps in self._params]))
         meta = self._meta[r]
         parts = self._parts
         divisor = parts.loss_divisors[r]

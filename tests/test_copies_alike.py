@@ -1,0 +1,199 @@
+"""The copies of a mirrored model stay one model when code outside ``run`` reaches
+replica 0's copy alone: ``requires_grad`` set through ``model.parameters()``, a
+submodule or ``model.module`` is copied to every copy at the next run (torch's
+freezing idioms train as on one device); a frozen parameter may sit in the
+optimizer (as torch allows); a change of layout (a submodule appended, a weight
+tied or replaced) through a submodule or through the module given to ``mirror``
+raises at the next run, and ``requires_grad`` changed through that old reference
+raises at the step, both before anything is updated. Each training case is checked
+against a one-device reference (float64)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import mirrored
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+
+
+X = torch.randn(12, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+
+def _steps(strategy: mirrored.MirroredStrategy, model: nn.Module,
+           opt: torch.optim.Optimizer, batches: list[torch.Tensor]) -> None:
+    def step(x: torch.Tensor) -> None:
+        loss = mirrored.compute_average_loss((model(x) ** 2).sum(1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    n = strategy.num_replicas_in_sync
+    for batch in batches:
+        strategy.run(step, args=(strategy.experimental_distribute_values_from_function(
+            lambda ctx, b=batch: b.chunk(n)[ctx.replica_id_in_sync_group]),))
+
+
+def _reference_steps(model: nn.Module, opt: torch.optim.Optimizer,
+                     batches: list[torch.Tensor]) -> None:
+    for batch in batches:
+        ((model(batch) ** 2).sum(1).sum() / len(batch)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _assert_copies_equal(model: mirrored.MirroredModule, reference: nn.Module) -> None:
+    for c in model.replicas:
+        for (name, p), q in zip(c.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-12, msg=name)
+            assert p.requires_grad == q.requires_grad, name
+
+
+FREEZE: dict[str, Callable[[mirrored.MirroredModule, bool], None]] = {
+    "submodule.requires_grad_": lambda m, flag: m[0].requires_grad_(flag),
+    "for p in submodule.parameters()": lambda m, flag: [
+        p.requires_grad_(flag) for p in m[0].parameters()],
+    "for p in model.parameters() by name": lambda m, flag: [
+        p.requires_grad_(flag) for name, p in m.named_parameters() if name.startswith("0.")],
+    "model.module": lambda m, flag: m.module[0].requires_grad_(flag),
+    "every copy": lambda m, flag: [c[0].requires_grad_(flag) for c in m.replicas],
+}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("how", list(FREEZE))
+def test_a_part_frozen_outside_run_stays_frozen_on_every_copy_and_thaws_alike(how, overlap):
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    model = strategy.mirror(_net())
+    FREEZE[how](model, False)
+    # (the optimizer holds the frozen parameters too, as torch allows)
+    opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                                    overlap=overlap)
+    reference = _net()
+    reference[0].requires_grad_(False)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    batches = list(X.split(4))
+    _steps(strategy, model, opt, batches)
+    _reference_steps(reference, ref_opt, batches)
+    _assert_copies_equal(model, reference)
+    FREEZE[how](model, True)  # thawed: trained from the next run on
+    reference[0].requires_grad_(True)
+    _steps(strategy, model, opt, batches)
+    _reference_steps(reference, ref_opt, batches)
+    _assert_copies_equal(model, reference)
+    assert not torch.equal(model.replicas[0][0].weight, _net()[0].weight)
+
+
+def test_an_optimizer_over_the_parameters_left_trainable_builds_alike_on_every_copy():
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    model = strategy.mirror(_net())
+    for p in model[0].parameters():
+        p.requires_grad = False
+    opt = strategy.mirror_optimizer(model, lambda p: torch.optim.Adam(
+        [q for q in p if q.requires_grad], lr=0.01))
+    reference = _net()
+    reference[0].requires_grad_(False)
+    ref_opt = torch.optim.Adam([q for q in reference.parameters() if q.requires_grad], lr=0.01)
+    _steps(strategy, model, opt, list(X.split(6)))
+    _reference_steps(reference, ref_opt, list(X.split(6)))
+    _assert_copies_equal(model, reference)
+
+
+def test_requires_grad_changed_through_the_module_given_to_mirror_raises_at_the_step():
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    net = _net()
+    model = strategy.mirror(net)
+    opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+    _steps(strategy, model, opt, [X[:4]])  # (the copies checked at this run)
+    before = [[p.clone() for p in c.parameters()] for c in model.replicas]
+    for p in net[0].parameters():  # replica 0's copy, reached without the mirrored model
+        p.requires_grad = False
+    with pytest.raises(RuntimeError, match=r"parameter '0\.weight' requires a gradient on the "
+                       r"copies of replicas \[1\] but not on those of replicas \[0\]"):
+        _steps(strategy, model, opt, [X[4:8]])
+    for c, saved in zip(model.replicas, before, strict=True):
+        assert all(torch.equal(p, q) for p, q in zip(c.parameters(), saved, strict=True))
+
+
+LAYOUTS: dict[str, tuple[Callable[[mirrored.MirroredModule, nn.Module], None], str]] = {
+    "appended through the model": (lambda m, net: m.append(nn.Linear(2, 2).double()),
+                                   r"replica 0's copy has submodule '3' \(Linear\) that "
+                                   r"replica 1's lacks"),
+    "parameter on a submodule": (
+        lambda m, net: setattr(m[0], "scale", nn.Parameter(torch.ones(5, dtype=torch.float64))),
+        r"replica 0's copy has parameter '0\.scale' \(float64\[5\]\) that replica 1's lacks"),
+    "head replaced through the old reference": (
+        lambda m, net: net.__setitem__(2, nn.Sequential(nn.Linear(5, 2).double())),
+        r"submodule '2' is Sequential on replica 0's copy and Linear on replica 1's"),
+    "weight replaced through the old reference": (
+        lambda m, net: setattr(net[2], "weight", nn.Parameter(torch.zeros(2, 5,
+                                                                          dtype=torch.float64))),
+        r"parameter '2\.weight' was added or replaced since the last run and its values on "
+        r"replica 0's copy differ from replica 1's"),
+    "a head made for each copy": (
+        lambda m, net: [setattr(c, "head", nn.Linear(2, 2).double()) for c in m.replicas],
+        r"parameter 'head\.weight' was added or replaced since the last run and its values "
+        r"on replica 0's copy differ from replica 1's"),
+}
+
+
+@pytest.mark.parametrize("change", list(LAYOUTS))
+def test_a_change_of_layout_on_replica_0s_copy_alone_raises_at_the_next_run(change):
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    net = _net()
+    model = strategy.mirror(net)
+    opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+    _steps(strategy, model, opt, [X[:4]])
+    make, message = LAYOUTS[change]
+    make(model, net)
+    saved = [p.clone() for p in model.replicas[1].parameters()]
+    for _ in range(2):  # refused again at the next run: the copies still differ
+        with pytest.raises(RuntimeError, match=message):
+            _steps(strategy, model, opt, [X[4:8]])
+    assert all(torch.equal(p, q) for p, q in zip(model.replicas[1].parameters(), saved,
+                                                  strict=True))
+
+
+def test_a_weight_tied_on_replica_0s_copy_alone_raises_naming_it():
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    torch.manual_seed(0)
+    model = strategy.mirror(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    model[1].weight = model[0].weight  # (the usual lm_head.weight = embed.weight)
+    with pytest.raises(RuntimeError, match=r"replica 1's copy has parameter '1\.weight' "
+                       r"\(float32\[4, 4\]\) that replica 0's lacks \(a parameter shared under "
+                       r"two names, as a tied weight, counts once\)"):
+        strategy.run(lambda: None)
+    with pytest.raises(RuntimeError, match="the copies of a mirrored model differ"):
+        strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+
+
+def test_changes_made_on_the_mirrored_model_or_on_every_copy_train_as_one_device():
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    model = strategy.mirror(_net())
+    torch.manual_seed(3)
+    head = nn.Linear(2, 3).double()
+    model.head = copy.deepcopy(head)  # copied to every copy (and run, as forward ignores it)
+    for c in model.replicas:  # changed on every copy alike
+        c[1] = nn.Sigmoid()
+    opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+    reference = _net()
+    reference.head = copy.deepcopy(head)
+    reference[1] = nn.Sigmoid()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    _steps(strategy, model, opt, list(X.split(4)))
+    _reference_steps(reference, ref_opt, list(X.split(4)))
+    _assert_copies_equal(model, reference)
+    # the parameters added on the mirrored model are the copies' too: a plain optimizer
+    # over them is refused like one over the others
+    with pytest.raises(RuntimeError, match=r"copy 0's 'head\.weight'"):
+        torch.optim.SGD(model.head.parameters(), lr=0.1).step()

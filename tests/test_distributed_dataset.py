@@ -23,6 +23,7 @@ from mirrored._src.data import (
     InputOptions,
     split_batch,
 )
+from mirrored._src.data.input import InputReplicationMode
 from mirrored._src.data.iterator import WorkerVote
 from mirrored._src.data.prefetch import THREAD_NAME
 from mirrored._src.devices import parse_devices
@@ -500,9 +501,52 @@ def test_worker_that_runs_out_steps_on_empty_batches(depth: int, counted: bool) 
     assert [s.values[0].shape for s in w1] == [(2, 3), (0, 3), (0, 3)]
     assert w1[2].devices == (Topology(devices=parse_devices(["CPU:0"]), worker_index=1,
                                       num_workers=2).device_names)
-    # per-worker pipelines vote at each step even with a WorkerVote (an element with a
-    # scalar leaf drops an incomplete last step: their len() is not exact)
-    assert (vote.calls, vote.agreed) == ([4, 4], [0, 0])
+    if counted:  # one local replica: a list's len() is the worker's steps, agreed once
+        assert (vote.calls, vote.agreed) == ([0, 0], [1, 1])
+    else:
+        assert vote.calls == [4, 4]
+
+
+# (local replicas, per-replica pipelines, worker 0's elements, worker 1's): whether the
+# pipelines' len() fixes the steps whatever the elements hold
+FROM_FUNCTION = {
+    "shared, divided by the local replicas": (2, False, 4, 2, True),
+    "shared, an incomplete last step": (2, False, 3, 2, False),
+    "per replica, one length": (2, True, 3, 1, True),
+    "per replica, lengths differ": (2, True, None, 1, False),
+}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("scalars", [False, True])
+@pytest.mark.parametrize("case", list(FROM_FUNCTION))
+def test_pipelines_whose_len_fixes_the_steps_agree_once_else_vote(case: str,
+                                                                  scalars: bool) -> None:
+    local, per_replica, first, second, agreed = FROM_FUNCTION[case]
+    mode = (InputReplicationMode.PER_REPLICA if per_replica else
+            InputReplicationMode.PER_WORKER)
+
+    def make(index: int, any_worker: Callable[[bool], bool]) -> DistributedDatasetsFromFunction:
+        def dataset_fn(ctx: InputContext) -> list[torch.Tensor]:
+            # (scalar elements: as many steps on each worker, which no empty batch evens)
+            count = first if index == 0 or scalars else second
+            if count is None:  # per replica, lengths differ: replica 0's longer
+                count = 3 - ctx.input_pipeline_id % 2
+            value = float(10 * index + ctx.input_pipeline_id)
+            return [torch.tensor(value) if scalars else torch.full((2,), value)] * count
+
+        topo = topology(local, index, 2)
+        return DistributedDatasetsFromFunction(dataset_fn, topo, InputOptions(
+            experimental_prefetch_depth=0, experimental_replication_mode=mode),
+            any_worker=any_worker)
+
+    voted, _ = run_workers(make, counted=False)
+    counted, vote = run_workers(make, counted=True)
+    # the same steps either way: a step a scalar element could not fill is dropped
+    assert [[as_lists(s) for s in w] for w in counted] == [[as_lists(s) for s in w]
+                                                          for w in voted]
+    assert vote.agreed == [1, 1]
+    assert (vote.calls == [0, 0]) is agreed
 
 
 @pytest.mark.timeout(30)

@@ -350,7 +350,20 @@ class DistributedDatasetsFromFunction:
         steps = _whole_element_steps(pipelines, self._topology,
                                      self._options.experimental_fetch_to_device)
         return DistributedIterator(steps, self._options, self._any_worker,
-                                   self._topology.torch_devices)
+                                   self._topology.torch_devices, self._steps_known())
+
+    def _steps_known(self) -> int:
+        """This worker's steps when the pipelines' exact ``len()`` fixes them whatever the
+        elements hold (``-1``: unknown, and the workers vote at each step): a shared
+        pipeline whose length the local replicas divide (no incomplete last step, which
+        scalar elements would drop), or per-replica pipelines of one length."""
+        lengths = [_length(e) for e in self._elements]
+        if min(lengths) < 0:
+            return -1
+        if len(lengths) == 1:
+            count, local = lengths[0], self._topology.num_local_replicas
+            return count // local if count % local == 0 else -1
+        return lengths[0] if len(set(lengths)) == 1 else -1
 
     def __len__(self) -> int:
         """Steps on this worker: ``ceil(len(elements) / local replicas)`` (``PER_REPLICA``:

@@ -13,7 +13,7 @@ import torch
 from .. import context, pytree
 from ..collectives.cross_replica import check_components
 from ..collectives.parts import Parts
-from ..training import structure
+from ..training.structure import CHANGES, check_copies
 from ..values import DistributedValues, PerReplica, ValueContext, regroup, select_replica
 
 __all__ = ["check_run", "distribute_values", "local_results", "nested_in_merge_fn",
@@ -51,8 +51,8 @@ def run(strategy: Any, parts: Parts, contexts: Sequence[Any], fn: Callable[..., 
         replica_args = check_run(parts, args, kwargs, idle)
         if not idle and nested_in_merge_fn(parts):
             return run_in_merge_fn(parts, contexts, fn, replica_args)
-    if parts.copies_checked[0] != structure.CHANGES[0]:  # (one copy changed alone?)
-        structure.check(strategy, parts.copies_checked)
+    if parts.copies_checked[0] != CHANGES[0]:  # (one copy changed alone?)
+        check_copies(strategy, parts.copies_checked)
     call = context.replica_calls(strategy, contexts, fn, replica_args)
     if any(divisors := parts.loss_divisors):  # (an evaluation's: no all-reduce used them)
         divisors[:] = [0] * len(divisors)

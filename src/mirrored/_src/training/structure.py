@@ -34,7 +34,7 @@ from torch import nn
 
 from .plain_optimizer import register_copies
 
-__all__ = ["CHANGES", "check", "check_module", "frozen_message", "watch"]
+__all__ = ["CHANGES", "check_copies", "check_module", "frozen_message", "watch"]
 
 CHANGES = [0]  # bumped when code outside run may have changed one copy
 _lock = threading.Lock()
@@ -68,7 +68,7 @@ def _watch_copies(module: Any) -> None:
             _watched.add(m)
 
 
-def check(strategy: Any, seen: list[int]) -> None:
+def check_copies(strategy: Any, seen: list[int]) -> None:
     """At the start of ``strategy``'s run, when `CHANGES` moved since ``seen[0]``:
     `check_module` on each of its mirrored modules.
 

@@ -116,6 +116,7 @@ def test_requires_grad_changed_through_the_module_given_to_mirror_raises_at_the_
     opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
     _steps(strategy, model, opt, [X[:4]])  # (the copies checked at this run)
     before = [[p.clone() for p in c.parameters()] for c in model.replicas]
+    strategy.run(lambda: None)  # (the copies checked again: `replicas` was read)
     for p in net[0].parameters():  # replica 0's copy, reached without the mirrored model
         p.requires_grad = False
     with pytest.raises(RuntimeError, match=r"parameter '0\.weight' requires a gradient on the "
@@ -197,3 +198,32 @@ def test_changes_made_on_the_mirrored_model_or_on_every_copy_train_as_one_device
     # over them is refused like one over the others
     with pytest.raises(RuntimeError, match=r"copy 0's 'head\.weight'"):
         torch.optim.SGD(model.head.parameters(), lr=0.1).step()
+
+
+def test_a_state_dict_loaded_with_assign_gives_every_copy_its_own_tensors():
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    torch.manual_seed(5)
+    state = copy.deepcopy(_net().state_dict())
+    model = strategy.mirror(nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)).double())
+    model.load_state_dict(state, assign=True)  # (torch's way to load into a meta model)
+    ptrs = [c[0].weight.data_ptr() for c in model.replicas]
+    assert ptrs[0] == state["0.weight"].data_ptr() and ptrs[1] != ptrs[0]
+    opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+    reference = _net()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    _steps(strategy, model, opt, list(X.split(4)))
+    _reference_steps(reference, ref_opt, list(X.split(4)))
+    _assert_copies_equal(model, reference)  # (sharing them, each replica stepped them again)
+
+
+def test_copies_made_to_share_a_parameters_memory_raise_at_the_next_run():
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    model = strategy.mirror(_net())
+    opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+    _steps(strategy, model, opt, [X[:4]])
+    shared = torch.zeros(2, 5, dtype=torch.float64)
+    for c in model.replicas:  # the same tensor on every copy, through the mirrored model
+        c[2].weight.data = shared
+    with pytest.raises(RuntimeError, match=r"the copies of a mirrored model share memory: "
+                       r"parameter '2\.weight' of replica 1's copy"):
+        _steps(strategy, model, opt, [X[4:8]])

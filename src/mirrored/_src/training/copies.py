@@ -17,6 +17,7 @@ submodules, so ``parameters()`` yields one model's parameters, once.
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -39,6 +40,21 @@ class Handles(RemovableHandle):
         """Removes the hook from every copy it was registered on."""
         for handle in self.handles:
             handle.remove()
+
+
+def _on_device(state_dict: Mapping[str, Any], device: torch.device, *, copy: bool
+               ) -> Mapping[str, Any]:
+    """``state_dict`` with its tensors on ``device`` (``copy``: always new tensors), for
+    ``load_state_dict(assign=True)``, which makes the given tensors the copy's own:
+    assigned as they are, every copy would hold the same tensors (each replica's
+    optimizer stepping them again), or a copy's on another device than its replica's."""
+    out: OrderedDict[str, Any] = OrderedDict(
+        (k, v.detach().to(device, copy=copy) if isinstance(v, torch.Tensor) else v)
+        for k, v in state_dict.items())
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:  # (torch's per-module versions, read by the loading hooks)
+        out._metadata = metadata  # type: ignore[attr-defined]
+    return out
 
 
 class CopiesModule(nn.Module):
@@ -138,6 +154,8 @@ class CopiesModule(nn.Module):
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> Any:
         """Loads ``state_dict`` (a plain module's or a mirrored one's) into every copy.
+        With ``assign=True`` replica 0's copy takes the given tensors (moved to its
+        device if they are elsewhere), the others copies of them on their devices.
 
         Returns:
             Replica 0's ``(missing_keys, unexpected_keys)``.
@@ -146,7 +164,10 @@ class CopiesModule(nn.Module):
             RuntimeError: called from a replica, or keys do not match (``strict``).
         """
         self._cross_replica("MirroredModule.load_state_dict")
-        results = [c.load_state_dict(state_dict, strict, assign) for c in self._copies]
+        results = [c.load_state_dict(
+            _on_device(state_dict, device, copy=k > 0) if assign else state_dict, strict,
+            assign) for k, (c, device) in enumerate(zip(self._copies, self._devices,
+                                                        strict=True))]
         return results[0]
 
     def train(self, mode: bool = True) -> CopiesModule:

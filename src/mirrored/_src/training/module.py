@@ -191,6 +191,7 @@ class MirroredModule(CopiesModule):
     @property
     def replicas(self) -> tuple[nn.Module, ...]:
         """Every local copy (plain modules), in local replica order (index 0 is replica 0's)."""
+        CHANGES[0] += 1  # (changed one by one: the next run compares them)
         return self._copies
 
     @property

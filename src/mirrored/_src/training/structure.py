@@ -84,11 +84,13 @@ def check_copies(strategy: Any, seen: list[int]) -> None:
 
 def check_module(module: Any) -> None:
     """Compares the copies of mirrored ``module`` with replica 0's: the layout (raises
-    on a difference) and ``requires_grad`` (copied from replica 0's); re-registers
-    the copies' parameters with the plain-optimizer guard if they changed.
+    on a difference), ``requires_grad`` (copied from replica 0's), parameters sharing
+    memory across copies (raises) and the values of parameters added or replaced
+    since the last check (raises if they differ); re-registers the copies'
+    parameters with the plain-optimizer guard if they changed.
 
     Raises:
-        RuntimeError: the copies differ in submodules or parameters.
+        RuntimeError: the copies differ in submodules or parameters, or share memory.
     """
     copies = module._copies
     if len(copies) < 2:
@@ -98,10 +100,20 @@ def check_module(module: Any) -> None:
         layout = _layout(c)
         if layout != first:
             raise RuntimeError(_layout_message(first, layout, k))
-        for (_, p0), (_, p) in zip(copies[0].named_parameters(), c.named_parameters(),
-                                   strict=True):
+        for (name, p0), (_, p) in zip(copies[0].named_parameters(), c.named_parameters(),
+                                      strict=True):
             if p.requires_grad != p0.requires_grad:
                 p.requires_grad_(p0.requires_grad)
+            if p.device == p0.device and p.numel() and (p.untyped_storage().data_ptr()
+                                                        == p0.untyped_storage().data_ptr()):
+                raise RuntimeError(
+                    f"the copies of a mirrored model share memory: parameter {name!r} of "
+                    f"replica {k}'s copy is stored in the same memory as replica 0's, so each "
+                    "replica's optimizer would step it again (the copies must be separate: "
+                    "p.data = t or the same tensor assigned on every copy makes them share "
+                    "it). Assign on the mirrored model itself (copied to every copy), or copy "
+                    "the values into each copy (p.copy_(t)); model.load_state_dict(sd, "
+                    "assign=True) gives every copy its own")
     ids = _identities(copies)
     known = module.__dict__.get("_param_ids")
     if known != ids:  # parameters added or replaced: alike on every copy?

@@ -11,6 +11,7 @@ against a one-device reference (float64)."""
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -227,3 +228,40 @@ def test_copies_made_to_share_a_parameters_memory_raise_at_the_next_run():
     with pytest.raises(RuntimeError, match=r"the copies of a mirrored model share memory: "
                        r"parameter '2\.weight' of replica 1's copy"):
         _steps(strategy, model, opt, [X[4:8]])
+
+
+def _lazy_net() -> nn.Sequential:
+    with warnings.catch_warnings():  # torch warns that lazy modules are experimental
+        warnings.simplefilter("ignore", UserWarning)
+        return nn.Sequential(nn.LazyLinear(5), nn.Tanh(), nn.Linear(5, 2)).double()
+
+
+@pytest.mark.parametrize("via_run", [False, True])
+def test_lazy_modules_initialized_inside_run_start_from_replica_0s_values(via_run):
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    model = strategy.mirror(_lazy_net())
+    strategy.run(model, args=(X[:4],))  # the dry run: each copy initializes its own
+    if via_run:  # replica 0's values given to the others at the next run's start
+        strategy.run(lambda: None)
+        first = model.replicas[0]
+        assert all(torch.equal(p, q) for p, q in zip(first.parameters(),
+                                                     model.replicas[1].parameters(), strict=True))
+    opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+    first = model.replicas[0]
+    assert all(torch.equal(p, q) for c in model.replicas[1:]
+               for p, q in zip(first.parameters(), c.parameters(), strict=True))
+    reference = copy.deepcopy(first)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    _steps(strategy, model, opt, list(X.split(4)))
+    _reference_steps(reference, ref_opt, list(X.split(4)))
+    _assert_copies_equal(model, reference)
+
+
+def test_a_lazy_module_initialized_outside_run_is_refused_naming_the_fix():
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    model = strategy.mirror(_lazy_net())
+    model(X[:4])  # replica 0's copy only
+    with pytest.raises(RuntimeError, match=r"submodule '0' is Linear on replica 0's copy and "
+                       r"LazyLinear on replica 1's \(a lazy module initialized by a forward "
+                       r"outside strategy.run"):
+        strategy.run(model, args=(X[:4],))

@@ -175,7 +175,10 @@ class MirroredModule(CopiesModule):
         ctx = s[-1].replica_context if (s := context._state.stack) and s[-1].in_run else None
         index = self._known.get(ctx) if ctx is not None else None
         if index is None:
-            index = self._index() or 0
+            index = self._index()
+            if index is None:  # replica 0's copy, outside run (a lazy module initializes)
+                CHANGES[0] += 1
+                index = 0
         return _run_copy(self._calls[index], *args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from .plain_optimizer import register_copies
 
@@ -53,6 +54,7 @@ def _registered(module: nn.Module, name: str, value: Any) -> None:
 def watch(module: Any) -> None:
     """Watches mirrored ``module`` (a `MirroredModule` with two copies or more)."""
     module.__dict__["_param_ids"] = _identities(module._copies)
+    module.__dict__["_lazy"] = _uninitialized(module._copies[0])
     with _lock:
         _mirrored.add(module)
         _watch_copies(module)
@@ -70,16 +72,18 @@ def _watch_copies(module: Any) -> None:
 
 def check_copies(strategy: Any, seen: list[int]) -> None:
     """At the start of ``strategy``'s run, when `CHANGES` moved since ``seen[0]``:
-    `check_module` on each of its mirrored modules.
+    `check_module` on each of its mirrored modules (again at every run while one has
+    lazy parameters not initialized yet: each copy initializes its own in a run).
 
     Raises:
         RuntimeError: the copies of one differ in layout.
     """
-    now = CHANGES[0]
+    now, lazy = CHANGES[0], False
     for module in list(_mirrored):
         if module._strategy is strategy:
             check_module(module)
-    seen[0] = now  # (not reached if one raised: the next run checks again)
+            lazy = lazy or bool(module.__dict__.get("_lazy"))
+    seen[0] = now - 1 if lazy else now  # (not reached if one raised: checked again)
 
 
 def check_module(module: Any) -> None:
@@ -104,8 +108,8 @@ def check_module(module: Any) -> None:
                                       strict=True):
             if p.requires_grad != p0.requires_grad:
                 p.requires_grad_(p0.requires_grad)
-            if p.device == p0.device and p.numel() and (p.untyped_storage().data_ptr()
-                                                        == p0.untyped_storage().data_ptr()):
+            if not is_lazy(p) and p.device == p0.device and p.numel() and (
+                    p.untyped_storage().data_ptr() == p0.untyped_storage().data_ptr()):
                 raise RuntimeError(
                     f"the copies of a mirrored model share memory: parameter {name!r} of "
                     f"replica {k}'s copy is stored in the same memory as replica 0's, so each "
@@ -114,6 +118,15 @@ def check_module(module: Any) -> None:
                     "it). Assign on the mirrored model itself (copied to every copy), or copy "
                     "the values into each copy (p.copy_(t)); model.load_state_dict(sd, "
                     "assign=True) gives every copy its own")
+    lazy = module.__dict__.get("_lazy")
+    if lazy:  # lazy parameters initialized since (each copy by its own forward): replica 0's
+        now = _uninitialized(copies[0])
+        with torch.no_grad():
+            for name in lazy - now:
+                first = copies[0].get_parameter(name)
+                for c in copies[1:]:
+                    c.get_parameter(name).copy_(first)
+        module.__dict__["_lazy"] = now
     ids = _identities(copies)
     known = module.__dict__.get("_param_ids")
     if known != ids:  # parameters added or replaced: alike on every copy?
@@ -125,6 +138,10 @@ def check_module(module: Any) -> None:
         register_copies(copies, module._strategy)
         with _lock:
             _watch_copies(module)
+
+
+def _uninitialized(copy: nn.Module) -> set[str]:
+    return {name for name, p in copy.named_parameters() if is_lazy(p)}
 
 
 def _identities(copies: tuple[nn.Module, ...]) -> list[dict[str, int]]:
@@ -152,6 +169,8 @@ def _layout(copy: nn.Module) -> tuple[list[tuple[str, str]], list[tuple[str, str
 
 
 def _describe(p: torch.Tensor) -> str:
+    if is_lazy(p):  # (a lazy module's, before its first forward: no shape yet)
+        return "uninitialized"
     return f"{str(p.dtype).removeprefix('torch.')}{list(p.shape)}"
 
 
@@ -178,6 +197,10 @@ def _layout_message(first: Any, other: Any, k: int) -> str:
         else:
             diff = f"the copies of replicas 0 and {k} list their {kind}s in another order"
         break
+    if "Lazy" in diff or "uninitialized" in diff:
+        diff += (" (a lazy module initialized by a forward outside strategy.run, which runs "
+                 "replica 0's copy only: initialize it with a forward of the plain module "
+                 "before strategy.mirror(), or inside strategy.run, where every copy runs)")
     return (f"the copies of a mirrored model differ: {diff}. Outside strategy.run a "
             "submodule or parameter of the mirrored model (model.encoder, model[0], "
             "model.parameters(), model.module) and the module given to mirror() are replica "

@@ -11,6 +11,7 @@ against a one-device reference (float64)."""
 from __future__ import annotations
 
 import copy
+import time
 import warnings
 from collections.abc import Callable
 
@@ -120,8 +121,9 @@ def test_requires_grad_changed_through_the_module_given_to_mirror_raises_at_the_
     strategy.run(lambda: None)  # (the copies checked again: `replicas` was read)
     for p in net[0].parameters():  # replica 0's copy, reached without the mirrored model
         p.requires_grad = False
-    with pytest.raises(RuntimeError, match=r"parameter '0\.weight' requires a gradient on the "
-                       r"copies of replicas \[1\] but not on those of replicas \[0\]"):
+    with pytest.raises(RuntimeError, match=r"the replicas' copies do not freeze the same "
+                       r"parameters \(requires_grad differs; on this worker '0\.weight' and 1 "
+                       r"more differ between the copies\)"):
         _steps(strategy, model, opt, [X[4:8]])
     for c, saved in zip(model.replicas, before, strict=True):
         assert all(torch.equal(p, q) for p, q in zip(c.parameters(), saved, strict=True))
@@ -261,7 +263,113 @@ def test_a_lazy_module_initialized_outside_run_is_refused_naming_the_fix():
     strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
     model = strategy.mirror(_lazy_net())
     model(X[:4])  # replica 0's copy only
-    with pytest.raises(RuntimeError, match=r"submodule '0' is Linear on replica 0's copy and "
-                       r"LazyLinear on replica 1's \(a lazy module initialized by a forward "
-                       r"outside strategy.run"):
+    with pytest.raises(RuntimeError, match=r"lazy parameter '0\.weight' is initialized on "
+                       r"replica 0's copy but not on replica 1's: a lazy module's first forward "
+                       r"outside strategy.run runs replica 0's copy only"):
         strategy.run(model, args=(X[:4],))
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.embed = nn.Embedding(6, 4).double()
+        self.head = nn.Linear(4, 6, bias=False).double()
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(x))
+
+
+def test_assign_loading_keeps_a_tied_weight_tied_on_every_copy():
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    model = strategy.mirror(_Tied())
+    model.load_state_dict(_Tied().state_dict(), assign=True)
+    for c in model.replicas:  # (torch's assign makes two parameters of one memory)
+        assert c.head.weight.data_ptr() == c.embed.weight.data_ptr()
+    assert model.replicas[0].embed.weight.data_ptr() != model.replicas[1].embed.weight.data_ptr()
+    opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+    tokens = torch.randint(0, 6, (8,), generator=torch.Generator().manual_seed(2))
+
+    def step(x: torch.Tensor) -> None:
+        mirrored.compute_average_loss((model(x) ** 2).sum(1)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    reference = _Tied()  # what torch makes of the same load
+    reference.load_state_dict(_Tied().state_dict(), assign=True)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(3):
+        strategy.run(step, args=(mirrored.PerReplica([tokens[:4], tokens[4:]]),))
+        ((reference(tokens) ** 2).sum(1).sum() / 8).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    _assert_copies_equal(model, reference)
+
+
+def test_an_old_reference_freeze_with_zeroed_gradients_is_refused_at_the_step():
+    # zero_grad(set_to_none=False): the frozen copy sends zeros, not a missing gradient
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    net = _net()
+    model = strategy.mirror(net)
+    opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+
+    def step(x: torch.Tensor) -> None:
+        mirrored.compute_average_loss((model(x) ** 2).sum(1)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    batch = strategy.experimental_distribute_values_from_function(
+        lambda ctx: X[:8].chunk(2)[ctx.replica_id_in_sync_group])
+    strategy.run(step, args=(batch,))
+    copies = model.replicas
+    saved = [p.clone() for c in copies for p in c.parameters()]
+    strategy.run(lambda: None)  # (the copies checked again: `replicas` was read)
+    net[0].weight.requires_grad_(False)
+    with pytest.raises(RuntimeError, match=r"on this worker '0\.weight' differ between the "
+                       r"copies"):
+        strategy.run(step, args=(batch,))
+    assert all(torch.equal(p, q) for p, q in zip(
+        [p for c in copies for p in c.parameters()], saved, strict=True))
+
+
+def test_a_freeze_made_alike_inside_run_is_no_error_whatever_the_timing():
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    model = strategy.mirror(_net())
+    opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+
+    def step(x: torch.Tensor) -> None:
+        if mirrored.get_replica_context().replica_id_in_sync_group == 0:
+            time.sleep(0.2)  # (replica 1 reaches the step first)
+        model[0].requires_grad_(False)
+        ((model(x) ** 2).sum(1).sum() / 8).backward()
+        opt.step()
+        opt.zero_grad()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mirrored.LossScalingWarning)
+        strategy.run(step, args=(strategy.experimental_distribute_values_from_function(
+            lambda ctx: X[:8].chunk(2)[ctx.replica_id_in_sync_group]),))
+    reference = _net()
+    reference[0].requires_grad_(False)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    _reference_steps(reference, ref_opt, [X[:8]])
+    _assert_copies_equal(model, reference)
+
+
+def test_modules_hashed_by_their_own_fields_build_while_a_model_is_mirrored():
+    class Named(nn.Module):  # hashes a field set after a submodule is registered
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(2, 2)
+            self.name = "named"
+
+        def __hash__(self) -> int:
+            return hash(self.name)
+
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, Named) and other.name == self.name
+
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    strategy.mirror(_net())
+    assert Named().name == "named"

@@ -62,12 +62,12 @@ def train(strategy: mirrored.Strategy, overlap: bool, *, dtype: torch.dtype = to
           scaler: bool = False, frozen: bool = False
           ) -> tuple[list[torch.Tensor], mirrored.MirroredOptimizer]:
     """Trains on ``steps`` global batches; each replica gets 4 rows per backward,
-    ``accumulate[step]`` backward passes per step; ``frozen``: the middle Linear frozen
+    ``accumulate[step]`` backward passes per step; ``frozen``: the first Linear frozen
     (through the mirrored model, as torch freezes a part) and kept in the optimizer."""
     n = strategy.num_replicas_in_sync
     model = strategy.mirror(Net(dtype))
     if frozen:
-        for p in model.body[3].parameters():
+        for p in model.body[0].parameters():  # (in the last bucket, sent at the step)
             p.requires_grad = False
     opt = strategy.mirror_optimizer(
         model, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), overlap=overlap)
@@ -97,8 +97,8 @@ def train(strategy: mirrored.Strategy, overlap: bool, *, dtype: torch.dtype = to
                 for a in range(accumulate[index])]
         strategy.run(step, args=(index, *args))
     if frozen:  # frozen on every copy (of every worker): untouched
-        initial = Net(dtype).body[3].weight
-        assert all(torch.equal(c.body[3].weight, initial) for c in model.replicas)
+        initial = Net(dtype).body[0].weight
+        assert all(torch.equal(c.body[0].weight, initial) for c in model.replicas)
     return [t.detach().clone() for t in model.replicas[0].state_dict().values()], opt
 
 
@@ -279,3 +279,43 @@ def test_a_call_that_meets_a_launched_bucket_is_a_mismatch_and_its_data_unused()
     assert results[0].startswith("CollectiveMismatchError"), results[0]
     assert "gradient bucket 1 of" in results[0] and "(asynchronous)" in results[0]
     assert results[1] != "no error", results[1]
+
+
+def test_a_parameter_frozen_at_build_then_thawed_trains_as_one_device_with_accumulation(
+        two: mirrored.MirroredStrategy) -> None:
+    # Frozen when the optimizer is built, the head (a bucket of its own) has no gradient
+    # hook: it waits for the step, so a gradient accumulated after a thaw is not sent
+    # with the first backward's alone.
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 24)).double()
+
+    model = two.mirror(make())
+    model[2].requires_grad_(False)
+    opt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                               overlap=True)
+    buckets = opt._reducer.buckets
+    assert buckets is not None and buckets.plan[0] == [3, 2]  # the head alone
+    model[2].requires_grad_(True)
+    reference = make()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for index, rows in enumerate(batches(4, 4, torch.float64)):
+        passes = 2 if index >= 2 else 1
+
+        def step(*xs: torch.Tensor) -> None:
+            for x in xs:
+                mirrored.compute_average_loss(model(x).pow(2).sum(1),
+                                              global_batch_size=8 * len(xs)).backward()
+            opt.step()
+            opt.zero_grad()
+
+        two.run(step, args=tuple(mirrored.PerReplica([rows[a], rows[2 + a]])
+                                 for a in range(passes)))
+        for a in range(passes):
+            reference(torch.cat([rows[a], rows[2 + a]])).pow(2).sum(1).sum().div(
+                8 * passes).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for (name, x), y in zip(model.replicas[0].named_parameters(), reference.parameters(),
+                            strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12, msg=name)

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .structure import CHANGES, LAYOUT
+
 __all__ = ["CopiesModule", "Handles"]
 
 
@@ -42,15 +44,38 @@ class Handles(RemovableHandle):
             handle.remove()
 
 
+def _replaced() -> None:
+    """The copies' parameters may be new objects: the next run walks their layout."""
+    LAYOUT[0] += 1
+    CHANGES[0] += 1
+
+
 def _on_device(state_dict: Mapping[str, Any], device: torch.device, *, copy: bool
                ) -> Mapping[str, Any]:
-    """``state_dict`` with its tensors on ``device`` (``copy``: always new tensors), for
+    """``state_dict`` with its tensors on ``device`` (``copy``: always new memory), for
     ``load_state_dict(assign=True)``, which makes the given tensors the copy's own:
     assigned as they are, every copy would hold the same tensors (each replica's
-    optimizer stepping them again), or a copy's on another device than its replica's."""
+    optimizer stepping them again), or a copy's on another device than its replica's.
+    Tensors that share memory (a tied weight) still share it after: each storage is
+    copied once and its tensors rebuilt as views of the copy."""
+    storages: dict[tuple[int, torch.device], torch.UntypedStorage] = {}
+
+    def moved(v: torch.Tensor) -> torch.Tensor:
+        v = v.detach()
+        if not copy and v.device == device:
+            return v
+        source = v.untyped_storage()
+        key = (source.data_ptr(), v.device)
+        target = storages.get(key)
+        if target is None:
+            target = storages[key] = (
+                source.clone() if v.device == device  # type: ignore[no-untyped-call]
+                else source.to(device=device))
+        return torch.empty(0, dtype=v.dtype, device=device).set_(
+            target, v.storage_offset(), v.size(), v.stride())
+
     out: OrderedDict[str, Any] = OrderedDict(
-        (k, v.detach().to(device, copy=copy) if isinstance(v, torch.Tensor) else v)
-        for k, v in state_dict.items())
+        (k, moved(v) if isinstance(v, torch.Tensor) else v) for k, v in state_dict.items())
     metadata = getattr(state_dict, "_metadata", None)
     if metadata is not None:  # (torch's per-module versions, read by the loading hooks)
         out._metadata = metadata  # type: ignore[attr-defined]
@@ -68,6 +93,10 @@ class CopiesModule(nn.Module):
     _devices: tuple[torch.device, ...]
 
     def _current(self) -> nn.Module:
+        raise NotImplementedError
+
+    def _exposed(self) -> nn.Module:
+        """`_current`, handed to code that may change it (outside ``run``: noted)."""
         raise NotImplementedError
 
     def _targets(self) -> tuple[nn.Module, ...]:
@@ -111,38 +140,38 @@ class CopiesModule(nn.Module):
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         """The current copy's parameters (one model's, once)."""
-        return self._current().parameters(recurse)
+        return self._exposed().parameters(recurse)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """The current copy's named parameters (the plain module's names)."""
-        return self._current().named_parameters(prefix, recurse, remove_duplicate)
+        return self._exposed().named_parameters(prefix, recurse, remove_duplicate)
 
     def buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
         """The current copy's buffers."""
-        return self._current().buffers(recurse)
+        return self._exposed().buffers(recurse)
 
     def named_buffers(self, prefix: str = "", recurse: bool = True,
                       remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """The current copy's named buffers."""
-        return self._current().named_buffers(prefix, recurse, remove_duplicate)
+        return self._exposed().named_buffers(prefix, recurse, remove_duplicate)
 
     def children(self) -> Iterator[nn.Module]:
         """The current copy's children."""
-        return self._current().children()
+        return self._exposed().children()
 
     def named_children(self) -> Iterator[tuple[str, nn.Module]]:
         """The current copy's named children."""
-        return self._current().named_children()
+        return self._exposed().named_children()
 
     def modules(self, remove_duplicate: bool = True) -> Iterator[nn.Module]:
         """The current copy's modules (the copy itself first)."""
-        return self._current().modules(remove_duplicate)
+        return self._exposed().modules(remove_duplicate)
 
     def named_modules(self, memo: set[nn.Module] | None = None, prefix: str = "",
                       remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Module]]:
         """The current copy's named modules (the copy itself first, named ``prefix``)."""
-        named: Iterator[tuple[str, nn.Module]] = self._current().named_modules(
+        named: Iterator[tuple[str, nn.Module]] = self._exposed().named_modules(
             memo, prefix, remove_duplicate)
         return named
 
@@ -164,6 +193,7 @@ class CopiesModule(nn.Module):
             RuntimeError: called from a replica, or keys do not match (``strict``).
         """
         self._cross_replica("MirroredModule.load_state_dict")
+        _replaced()  # (assign=True replaces the parameters)
         results = [c.load_state_dict(
             _on_device(state_dict, device, copy=k > 0) if assign else state_dict, strict,
             assign) for k, (c, device) in enumerate(zip(self._copies, self._devices,
@@ -197,6 +227,7 @@ class CopiesModule(nn.Module):
                ) -> CopiesModule:
         """Applies a tensor conversion (``half``, ``double``, ``type``...) to every copy;
         each copy stays on its replica's device."""
+        _replaced()  # (a conversion may replace the parameters)
         for c in self._targets():
             device = self._devices[self._copies.index(c)]
             c._apply(lambda t, d=device: fn(t).to(d), recurse)  # type: ignore[no-untyped-call]
@@ -210,6 +241,7 @@ class CopiesModule(nn.Module):
             ValueError: a device other than the copies' own.
         """
         device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        _replaced()
         for c in self._targets():
             own = self._devices[self._copies.index(c)]
             if device is not None and (device.type != own.type or device.index not in (

@@ -152,8 +152,11 @@ class MirroredModule(CopiesModule):
         return replica_index(self._strategy, "MirroredModule", required=False)
 
     def _current(self) -> nn.Module:
+        return self._copies[self._index() or 0]
+
+    def _exposed(self) -> nn.Module:
         index = self._index()
-        if index is None:  # replica 0's insides, outside run: the next run checks the copies
+        if index is None:  # replica 0's insides, handed out: the next run checks the copies
             CHANGES[0] += 1
             return self._copies[0]
         return self._copies[index]
@@ -205,13 +208,15 @@ class MirroredModule(CopiesModule):
     @property
     def module(self) -> nn.Module:
         """The copy the calling code sees: its own in a replica, else replica 0's."""
-        return self._current()
+        return self._exposed()
 
     # --------------------------------------------------- attribute delegation
     def __getattr__(self, name: str) -> Any:
         if "_copies" not in self.__dict__:  # during construction or unpickling
             raise AttributeError(name)
-        return getattr(self._current(), name)
+        value = getattr(self._current(), name)  # (a module or tensor handed out: `_exposed`)
+        CHANGES[0] += isinstance(value, nn.Module | torch.Tensor) and self._index() is None
+        return value
 
     def __setattr__(self, name: str, value: Any) -> None:
         if "_copies" not in self.__dict__ or name in _OWN:
@@ -229,13 +234,13 @@ class MirroredModule(CopiesModule):
         return sorted(set(object.__dir__(self)) | set(dir(self._current())))
 
     def __getitem__(self, key: Any) -> Any:
-        return self._current()[key]  # type: ignore[index]
+        return self._exposed()[key]  # type: ignore[index]
 
     def __len__(self) -> int:
         return len(self._current())  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self._current())  # type: ignore[call-overload,no-any-return]
+        return iter(self._exposed())  # type: ignore[call-overload,no-any-return]
 
     def __bool__(self) -> bool:
         return True

@@ -188,12 +188,16 @@ class GradientBuckets:
         self.stats = {"steps": 0.0, "comm_s": 0.0, "hidden_s": 0.0, "redone": 0.0,
                       "early": 0.0}
         self._reset()
-        # A frozen parameter gets no hook (torch refuses one): its bucket completes when
-        # the backward pass ends, where an unused gradient counts as zeros.
+        # A frozen parameter gets no hook (torch refuses one), so its bucket waits for the
+        # step: thawed later, its gradients would come in unseen (a second backward's
+        # too, which would not mark the bucket stale).
         self.handles = [p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                             _hook(weakref.ref(self), r, k))
                         for r, ps in enumerate(params) for k, p in enumerate(ps)
                         if p.requires_grad]
+        for b, members in enumerate(self.plan):
+            if any(not ps[k].requires_grad for ps in params for k in members):
+                self._early[b] = False
         # An optimizer dropped (or replaced) must not launch collectives any more.
         weakref.finalize(self, _remove, self.handles)
 

@@ -41,7 +41,7 @@ from .check import (
 )
 from .module import MirroredModule
 from .overlap import GradientBuckets, bucket_plan
-from .structure import frozen_message
+from .structure import frozen_message, signature
 
 if TYPE_CHECKING:
     from mirrored import ReplicaContext
@@ -101,10 +101,12 @@ class GradientReducer:
         # Per replica: all-present flags, one per parameter, then a fingerprint slot per
         # global replica, then a loss-divisor slot per global replica (sent as is on the
         # common path; the replica fills its own).
+        # ... and a frozen-parameter signature slot per global replica (`_frozen`).
         self._meta = tuple(torch.cat([torch.ones(len(p), dtype=meta_dtype, device=p[0].device),
-                                      torch.zeros(n * self._width + n, dtype=meta_dtype,
+                                      torch.zeros(n * self._width + 2 * n, dtype=meta_dtype,
                                                   device=p[0].device)])
                            for p in params)
+        self._flags: list[list[bool] | None] = [None] * local  # requires_grad last sent
         self._divisor_sent = [0] * local  # the value in the replica's divisor slot
         # Once a replica has sent a divisor, or seen one on a step the check reads its
         # table (every replica reads the slots then), it compares at every step, also
@@ -188,10 +190,6 @@ class GradientReducer:
                             "a sparse gradient (e.g. nn.Embedding(sparse=True)): use dense "
                             "gradients (sparse=False)")
         missing = [k for k, t in enumerate(grads) if t is None]
-        for k in missing:  # frozen on some copies only (changed through an old reference)?
-            if any(ps[k].requires_grad != params[k].requires_grad for ps in self._params):
-                raise RuntimeError(frozen_message(
-                    self._names[k], [ps[k].requires_grad for ps in self._params]))
         meta = self._meta[r]
         parts = self._parts
         divisor = parts.loss_divisors[r]
@@ -206,6 +204,10 @@ class GradientReducer:
             self._divisor_sent[r] = value
             self._divisor_seen[r] |= value > 0
         parts.loss_divisors[r] = 0
+        flags = [p.requires_grad for p in params]
+        if flags != self._flags[r]:  # (its slot: `_frozen`)
+            meta[at + self._num_replicas + g] = signature(flags)
+            self._flags[r] = flags
         buckets = self.buckets
         if missing or buckets is not None:
             meta = meta.clone()
@@ -233,6 +235,7 @@ class GradientReducer:
             if live == 0:  # not committed: nothing of this step is used
                 return
             # (elastic: after the vote, which every worker makes)
+            self._frozen(r, reduced[n], at, live)
             slots = self._divisors(r, reduced[n][at:at + self._num_replicas], width)
             for p, t in zip(params, reduced[:n], strict=True):
                 p.grad = t
@@ -240,6 +243,7 @@ class GradientReducer:
             last = buckets.plan[-1]
             reduced = self._sum(ctx, [*(grads[k] for k in last), meta, *stats, *sends])
             self.seq[r] += 1
+            self._frozen(r, reduced[len(last)], at, None)
             slots = self._divisors(r, reduced[len(last)][at:at + self._num_replicas], width)
             for k, t in zip(last, reduced, strict=False):
                 params[k].grad = t
@@ -288,6 +292,24 @@ class GradientReducer:
             self._divisor_seen[r] = True
             _same_divisors(values)
         return values
+
+    def _frozen(self, r: int, meta: torch.Tensor, at: int, live: int | None) -> None:
+        """Raises on every replica, before any gradient is used, if the replicas'
+        copies do not freeze the same parameters (``requires_grad``: each replica's
+        `signature` in its slot of the reduced ``meta``; elastic: the replicas in the
+        step only). A parameter frozen on some copies only would be stepped with the
+        others' gradients, or not at all on some."""
+        n = self._num_replicas
+        values = meta[at + n:at + 2 * n].tolist()
+        if live is not None:
+            present = meta[-n:].tolist()
+            values = [v for v, here in zip(values, present, strict=True) if here > 0]
+        if min(values) == max(values):
+            return
+        local = [[p.requires_grad for p in ps] for ps in self._params]
+        names = [name for k, name in enumerate(self._names[:len(local[0])])
+                 if len({flags[k] for flags in local}) > 1]
+        raise RuntimeError(frozen_message(names, r, local[r].count(False)))
 
     def _live(self, ctx: ReplicaContext, r: int, meta: torch.Tensor) -> int:
         """Elastic: the workers' commit vote (once per worker, by the last local replica

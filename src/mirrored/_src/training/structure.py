@@ -3,30 +3,36 @@ changes replica 0's copy alone.
 
 Outside ``run`` a mirrored model reads as replica 0's copy: ``model.parameters()``,
 ``model.encoder``, ``model[0]``, ``model.module`` and the module given to `mirror`
-are that copy's. Two kinds of change made through them would reach that copy alone
-and train another model than one device would:
+are that copy's. Changes made through them would reach that copy alone and train
+another model than one device would:
 
 - ``requires_grad`` (``for p in model.encoder.parameters(): p.requires_grad = False``,
   torch's way to freeze a part): the next ``run`` (and `mirror_optimizer`) gives every
-  copy replica 0's flags, so the copies freeze and unfreeze together.
+  copy replica 0's flags, so the copies freeze and unfreeze together. Whatever the
+  route, the optimizer's step compares every replica's flags in its all-reduce
+  (`signature`) and raises before using a gradient if they differ.
 - the layout (a submodule or parameter added, replaced or removed through a
   submodule: ``model.encoder.append(...)``, ``model.head.weight =
   model.embed.weight``, a parametrization): the next ``run`` raises `RuntimeError`
-  naming the first difference, before any replica runs.
+  naming the first difference, before any replica runs; so does a parameter that
+  two copies share (each replica's optimizer would step it again).
+- lazy parameters: initialized inside ``run``, each copy draws its own values;
+  the next ``run`` gives every copy replica 0's.
 
-When to look: reading a copy's insides outside ``run`` (the mirrored module's
-``_current``/``_targets``) and registering a parameter or submodule on any module of
-a copy (torch's global registration hooks, which also see the module given to
-`mirror` changed through an old reference) bump `CHANGES`; ``run`` compares it
-with the count it last checked at (one integer comparison per run). A
-``requires_grad`` changed through an old reference is caught at the optimizer's
-step instead (`frozen_message`).
+When to look: code outside ``run`` taking hold of a copy's modules or parameters
+(the mirrored module's accessors) bumps `CHANGES`; registering a parameter or
+submodule on any module of a copy (torch's global registration hooks, which also
+see the module given to `mirror` changed through an old reference) bumps `LAYOUT`
+too. ``run`` compares `CHANGES` with the count it last checked at (one integer
+comparison per run). A check after `CHANGES` alone walks the parameter lists kept
+from the last full check; after `LAYOUT`, it walks every copy's modules once.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -35,39 +41,55 @@ from torch.nn.parameter import is_lazy
 
 from .plain_optimizer import register_copies
 
-__all__ = ["CHANGES", "check_copies", "check_module", "frozen_message", "watch"]
+__all__ = ["CHANGES", "LAYOUT", "check_copies", "check_module", "frozen_message",
+           "signature", "watch"]
 
 CHANGES = [0]  # bumped when code outside run may have changed one copy
+LAYOUT = [0]  # bumped when a parameter or module was registered on a copy's module
 _lock = threading.Lock()
 _mirrored: Any = weakref.WeakSet()  # mirrored modules with two copies or more
-_watched: Any = weakref.WeakSet()  # every submodule of their copies
+_watched: dict[int, weakref.ref[nn.Module]] = {}  # id -> every submodule of their copies
 _HOOKED = [False]
 
 
 def _registered(module: nn.Module, name: str, value: Any) -> None:
     """torch's global registration hook: a parameter or submodule registered on a
-    module of a copy (returns ``None``: the value is kept)."""
-    if module in _watched:
+    module of a copy (by identity: a module's own ``__hash__`` is not called; returns
+    ``None``: the value is kept)."""
+    ref = _watched.get(id(module))
+    if ref is not None and ref() is module:
+        LAYOUT[0] += 1
         CHANGES[0] += 1
 
 
 def watch(module: Any) -> None:
     """Watches mirrored ``module`` (a `MirroredModule` with two copies or more)."""
-    module.__dict__["_param_ids"] = _identities(module._copies)
-    module.__dict__["_lazy"] = _uninitialized(module._copies[0])
     with _lock:
         _mirrored.add(module)
-        _watch_copies(module)
+        _remember(module, [list(c.named_parameters()) for c in module._copies])
+        module.__dict__["_lazy"] = {name for name, p in module.__dict__["_named"][0]
+                                    if is_lazy(p)}
         if not _HOOKED[0]:
             nn.modules.module.register_module_parameter_registration_hook(_registered)
             nn.modules.module.register_module_module_registration_hook(_registered)
             _HOOKED[0] = True
 
 
-def _watch_copies(module: Any) -> None:
+def _remember(module: Any, named: list[list[tuple[str, nn.Parameter]]]) -> None:
+    """Keeps the copies' parameter lists and watches every module of theirs (lock held)."""
+    module.__dict__["_named"] = named
+    module.__dict__["_layout_seen"] = LAYOUT[0]
     for c in module._copies:
         for m in c.modules():
-            _watched.add(m)
+            key = id(m)
+            if key not in _watched:
+                _watched[key] = weakref.ref(m, _forget(key))
+
+
+def _forget(key: int) -> Any:
+    def forget(_: Any) -> None:  # (a dropped module's id may be reused)
+        _watched.pop(key, None)
+    return forget
 
 
 def check_copies(strategy: Any, seen: list[int]) -> None:
@@ -76,7 +98,7 @@ def check_copies(strategy: Any, seen: list[int]) -> None:
     lazy parameters not initialized yet: each copy initializes its own in a run).
 
     Raises:
-        RuntimeError: the copies of one differ in layout.
+        RuntimeError: the copies of one differ in layout, or share a parameter.
     """
     now, lazy = CHANGES[0], False
     for module in list(_mirrored):
@@ -87,69 +109,97 @@ def check_copies(strategy: Any, seen: list[int]) -> None:
 
 
 def check_module(module: Any) -> None:
-    """Compares the copies of mirrored ``module`` with replica 0's: the layout (raises
-    on a difference), ``requires_grad`` (copied from replica 0's), parameters sharing
-    memory across copies (raises) and the values of parameters added or replaced
-    since the last check (raises if they differ); re-registers the copies'
-    parameters with the plain-optimizer guard if they changed.
+    """Compares the copies of mirrored ``module`` with replica 0's: after a
+    registration on one (`LAYOUT`), their layout (raises on a difference), the
+    parameters added or replaced (their values must be equal on every copy; they are
+    recorded with the plain-optimizer guard); always, ``requires_grad`` (copied from
+    replica 0's), parameters shared by two copies (raises) and lazy parameters
+    initialized since (replica 0's values copied to the others).
 
     Raises:
-        RuntimeError: the copies differ in submodules or parameters, or share memory.
+        RuntimeError: the copies differ in submodules or parameters, or share one.
     """
     copies = module._copies
     if len(copies) < 2:
         return
-    first = _layout(copies[0])
-    for k, c in enumerate(copies[1:], start=1):
-        layout = _layout(c)
-        if layout != first:
-            raise RuntimeError(_layout_message(first, layout, k))
-        for (name, p0), (_, p) in zip(copies[0].named_parameters(), c.named_parameters(),
-                                      strict=True):
+    named = module.__dict__["_named"]
+    if module.__dict__["_layout_seen"] != LAYOUT[0]:
+        named = _check_layout(module, copies, named)
+    first, lazy = named[0], module.__dict__["_lazy"]
+    for k, params in enumerate(named[1:], start=1):
+        for (name, p0), (_, p) in zip(first, params, strict=True):
             if p.requires_grad != p0.requires_grad:
                 p.requires_grad_(p0.requires_grad)
-            if not is_lazy(p) and p.device == p0.device and p.numel() and (
-                    p.untyped_storage().data_ptr() == p0.untyped_storage().data_ptr()):
+            if (not lazy or not (is_lazy(p) or is_lazy(p0))) and p.data_ptr() == p0.data_ptr() \
+                    and p.numel() and p.device == p0.device:
                 raise RuntimeError(
                     f"the copies of a mirrored model share memory: parameter {name!r} of "
                     f"replica {k}'s copy is stored in the same memory as replica 0's, so each "
                     "replica's optimizer would step it again (the copies must be separate: "
                     "p.data = t or the same tensor assigned on every copy makes them share "
                     "it). Assign on the mirrored model itself (copied to every copy), or copy "
-                    "the values into each copy (p.copy_(t)); model.load_state_dict(sd, "
-                    "assign=True) gives every copy its own")
-    lazy = module.__dict__.get("_lazy")
+                    "the values into each copy (p.copy_(t))")
     if lazy:  # lazy parameters initialized since (each copy by its own forward): replica 0's
-        now = _uninitialized(copies[0])
-        with torch.no_grad():
-            for name in lazy - now:
-                first = copies[0].get_parameter(name)
-                for c in copies[1:]:
-                    c.get_parameter(name).copy_(first)
-        module.__dict__["_lazy"] = now
-    ids = _identities(copies)
-    known = module.__dict__.get("_param_ids")
-    if known != ids:  # parameters added or replaced: alike on every copy?
-        for name, p0 in copies[0].named_parameters():
-            if any(now.get(name) != then.get(name) for now, then in zip(ids, known,
-                                                                     strict=True)):
-                _same_values(name, p0, [c.get_parameter(name) for c in copies])
-        module.__dict__["_param_ids"] = ids
+        _initialize(named, lazy)
+        module.__dict__["_lazy"] = {name for name, p in first if is_lazy(p)}
+
+
+def _check_layout(module: Any, copies: Sequence[nn.Module],
+                  known: list[list[tuple[str, nn.Parameter]]]
+                  ) -> list[list[tuple[str, nn.Parameter]]]:
+    named = [list(c.named_parameters()) for c in copies]
+    first = _layout(copies[0], named[0])
+    for k, c in enumerate(copies[1:], start=1):
+        layout = _layout(c, named[k])
+        if layout != first:
+            raise RuntimeError(_layout_message(first, layout, k))
+    before = [dict((name, id(p)) for name, p in params) for params in known]
+    changed = [i for i, (name, _) in enumerate(named[0])
+               if any(b.get(name) != id(params[i][1]) for b, params in zip(before, named,
+                                                                          strict=True))]
+    for i in changed:
+        _same_values(named[0][i][0], [params[i][1] for params in named])
+    if changed:
         register_copies(copies, module._strategy)
-        with _lock:
-            _watch_copies(module)
+    with _lock:
+        _remember(module, named)
+    return named
 
 
-def _uninitialized(copy: nn.Module) -> set[str]:
-    return {name for name, p in copy.named_parameters() if is_lazy(p)}
+def _initialize(named: list[list[tuple[str, nn.Parameter]]], lazy: set[str]) -> None:
+    with torch.no_grad():
+        for i, (name, p0) in enumerate(named[0]):
+            if name not in lazy or is_lazy(p0):
+                continue
+            for k, params in enumerate(named[1:], start=1):
+                p = params[i][1]
+                if is_lazy(p):  # initialized on replica 0's copy alone: outside run
+                    raise RuntimeError(
+                        f"the copies of a mirrored model differ: lazy parameter {name!r} is "
+                        f"initialized on replica 0's copy but not on replica {k}'s: a lazy "
+                        "module's first forward outside strategy.run runs replica 0's copy "
+                        "only. Initialize it with a forward of the plain module before "
+                        "strategy.mirror(), or inside strategy.run, where every copy runs")
+                p.copy_(p0)
 
 
-def _identities(copies: tuple[nn.Module, ...]) -> list[dict[str, int]]:
-    return [{name: id(p) for name, p in c.named_parameters()} for c in copies]
+def _layout(copy: nn.Module, params: list[tuple[str, nn.Parameter]]
+            ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    modules = [(name or "(the model)", type(m).__qualname__) for name, m in copy.named_modules()]
+    return modules, [(name, _describe(p)) for name, p in params]
 
 
-def _same_values(name: str, first: torch.Tensor, params: list[torch.Tensor]) -> None:
+def _describe(p: torch.Tensor) -> str:
+    if is_lazy(p):  # (a lazy module's, before its first forward: no shape yet)
+        return "uninitialized"
+    return f"{str(p.dtype).removeprefix('torch.')}{list(p.shape)}"
+
+
+def _same_values(name: str, params: list[nn.Parameter]) -> None:
+    first = params[0]
     for k, p in enumerate(params[1:], start=1):
+        if is_lazy(p) or is_lazy(first):
+            continue
         if not torch.equal(first.detach().to(p.device), p.detach()):
             raise RuntimeError(
                 f"the copies of a mirrored model differ: parameter {name!r} was added or "
@@ -160,18 +210,6 @@ def _same_values(name: str, first: torch.Tensor, params: list[torch.Tensor]) -> 
                 "for each copy gets its own random values. Assign it on the mirrored model "
                 "itself (model.head = nn.Linear(...) is copied to every copy), on every copy "
                 "with equal values, or before strategy.mirror()")
-
-
-def _layout(copy: nn.Module) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    modules = [(name or "(the model)", type(m).__qualname__) for name, m in copy.named_modules()]
-    params = [(name, _describe(p)) for name, p in copy.named_parameters()]
-    return modules, params
-
-
-def _describe(p: torch.Tensor) -> str:
-    if is_lazy(p):  # (a lazy module's, before its first forward: no shape yet)
-        return "uninitialized"
-    return f"{str(p.dtype).removeprefix('torch.')}{list(p.shape)}"
 
 
 def _layout_message(first: Any, other: Any, k: int) -> str:
@@ -210,15 +248,34 @@ def _layout_message(first: Any, other: Any, k: int) -> str:
             "strategy.mirror()")
 
 
-def frozen_message(name: str, flags: list[bool]) -> str:
-    """The error for parameter ``name`` frozen on some local copies only (``flags``:
-    each copy's ``requires_grad``), found at the optimizer's step."""
-    on = [k for k, f in enumerate(flags) if f]
-    off = [k for k, f in enumerate(flags) if not f]
-    return (f"parameter {name!r} requires a gradient on the copies of replicas {on} but not on "
-            f"those of replicas {off}, so the replicas would train different parts of the "
-            "model. A requires_grad changed through a reference kept from before "
-            "strategy.mirror() (the module given to it is replica 0's copy) reaches that copy "
-            "only: freeze through the mirrored model (model.requires_grad_(False), "
+def signature(flags: Sequence[bool]) -> float:
+    """A replica's frozen parameters (``flags``: each parameter's ``requires_grad``) as
+    one number, exact in float32 (below 2**24), for the step's all-reduce to compare:
+    their count and a sum of a hash of their positions."""
+    count = total = 0
+    for k, flag in enumerate(flags):
+        if not flag:
+            count += 1
+            total += (((k + 1) * 2654435761) & 0xFFFFFFFF) >> 19  # 13 bits
+    return float((count % 2048) * 8192 + total % 8192)
+
+
+def frozen_message(names: Sequence[str], replica: int, frozen: int) -> str:
+    """The error for replicas whose copies freeze different parameters (``names``: those
+    that differ among this worker's copies; ``frozen``: local replica ``replica``'s
+    count of frozen parameters), raised by every replica at the step."""
+    where = (f"; on this worker {names[0]!r}" + (f" and {len(names) - 1} more" if
+                                                   len(names) > 1 else "")
+             + " differ between the copies" if names else
+             f"; this worker's copy has {frozen} frozen parameter(s): the difference is "
+             "with another worker's")
+    return (f"the replicas' copies do not freeze the same parameters (requires_grad differs"
+            f"{where}), so the step would train a parameter on some replicas and not on "
+            "others (local replica {replica} found it in the step's all-reduce; nothing was "
+            "updated). A requires_grad set outside strategy.run through a reference that "
+            "reaches replica 0's copy alone (the module given to strategy.mirror(), or a list "
+            "of model.parameters() kept from before a run) changes that copy only: freeze "
+            "through the mirrored model right before the run (model.requires_grad_(False), "
             "model.encoder.requires_grad_(False), or p.requires_grad = False for p in "
-            "model.parameters(): the next run copies it to every copy)")
+            "model.parameters(): the next run copies it to every copy), or on every copy "
+            "(for copy in model.replicas: ...)").replace("{replica}", str(replica))

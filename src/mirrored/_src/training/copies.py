@@ -64,6 +64,9 @@ def _on_device(state_dict: Mapping[str, Any], device: torch.device, *, copy: boo
         v = v.detach()
         if not copy and v.device == device:
             return v
+        if (type(v) is not torch.Tensor or v.layout != torch.strided or v.is_conj()
+                or v.is_neg()):  # (subclasses, sparse, lazy views: a copy of their own)
+            return v.to(device, copy=True)
         source = v.untyped_storage()
         key = (source.data_ptr(), v.device)
         target = storages.get(key)
@@ -177,7 +180,7 @@ class CopiesModule(nn.Module):
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The current copy's state dict: the same keys as the plain module's."""
-        return self._current().state_dict(*args, **kwargs)
+        return self._exposed().state_dict(*args, **kwargs)  # (keep_vars=True hands them out)
 
     # ---------------------------------------------------------------- changing
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,

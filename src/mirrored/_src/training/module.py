@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
 __all__ = ["MirroredModule", "as_mirrored_module", "mirror", "replica_index", "replica_of"]
 
+_PLAIN = (bool, int, float, complex, str, bytes, type(None))  # (read: nothing to change)
+
 
 def replica_index(strategy: Strategy, what: str, *, required: bool,
                   known: dict[Any, int] | None = None) -> int | None:
@@ -94,14 +96,12 @@ class MirroredModule(CopiesModule):
     attributes of) its own copy; elsewhere the module behaves like replica 0's copy.
     Members that change the module (``train``, ``apply``, ``half``, hooks, attribute
     assignment) act on every copy outside ``run`` and on the replica's own copy
-    inside it. ``parameters()`` yields one model's parameters, once. Changes made
-    outside ``run`` through replica 0's submodules or parameters: ``requires_grad``
-    is copied to every copy when the next ``run`` starts; a submodule or parameter
-    added, replaced or tied on that copy alone makes the next ``run`` raise
-    ``RuntimeError``. ``pickle``/``torch.save``/``copy.deepcopy`` give a plain module: a copy of
-    replica 0's. Replica 0's copy is the module given to `mirror` (moved to the
-    first device); the others are deep copies. Build with `mirror`, train with
-    `mirror_optimizer`.
+    inside it. ``parameters()`` yields one model's parameters, once. Outside ``run``,
+    ``requires_grad`` set on replica 0's copy reaches every copy at the next ``run``; a
+    layout change on that copy alone raises there. ``pickle``/``torch.save``/
+    ``copy.deepcopy`` give a plain module: a copy of replica 0's. Replica 0's copy is
+    the module given to `mirror` (moved to the first device); the others are deep
+    copies. Build with `mirror`, train with `mirror_optimizer`.
 
     Example:
         >>> import torch, mirrored
@@ -214,8 +214,8 @@ class MirroredModule(CopiesModule):
     def __getattr__(self, name: str) -> Any:
         if "_copies" not in self.__dict__:  # during construction or unpickling
             raise AttributeError(name)
-        value = getattr(self._current(), name)  # (a module or tensor handed out: `_exposed`)
-        CHANGES[0] += isinstance(value, nn.Module | torch.Tensor) and self._index() is None
+        value = getattr(self._current(), name)  # (anything but a plain value: `_exposed`)
+        CHANGES[0] += not isinstance(value, _PLAIN) and self._index() is None
         return value
 
     def __setattr__(self, name: str, value: Any) -> None:

@@ -369,7 +369,7 @@ def mirror_optimizer(strategy: Strategy, mirrored_module: MirroredModule,
     topology = strategy._parts.topology
     if overlap is None:  # across workers; elastic: one all-reduce carries the step's vote
         overlap = topology.num_workers > 1 and not topology.elastic
-    check_module(mirrored_module)  # (requires_grad set on replica 0's copy only: copied)
+    check_module(mirrored_module, full=True)  # (requires_grad set on replica 0's: copied)
     amp.install()
     optimizers, params = [], []
     positions: list[int] | None = None

@@ -41,7 +41,7 @@ from .check import (
 )
 from .module import MirroredModule
 from .overlap import GradientBuckets, bucket_plan
-from .structure import frozen_message, signature
+from .structure import frozen_message
 
 if TYPE_CHECKING:
     from mirrored import ReplicaContext
@@ -101,12 +101,14 @@ class GradientReducer:
         # Per replica: all-present flags, one per parameter, then a fingerprint slot per
         # global replica, then a loss-divisor slot per global replica (sent as is on the
         # common path; the replica fills its own).
-        # ... and a frozen-parameter signature slot per global replica (`_frozen`).
+        # ... and each parameter's requires_grad (`_frozen`).
         self._meta = tuple(torch.cat([torch.ones(len(p), dtype=meta_dtype, device=p[0].device),
-                                      torch.zeros(n * self._width + 2 * n, dtype=meta_dtype,
-                                                  device=p[0].device)])
+                                      torch.zeros(n * self._width + n + len(p),
+                                                  dtype=meta_dtype, device=p[0].device)])
                            for p in params)
         self._flags: list[list[bool] | None] = [None] * local  # requires_grad last sent
+        # Read at every step on the CPU; on a GPU (a device sync) at the checked steps.
+        self._flags_every_step = first.device.type == "cpu"
         self._divisor_sent = [0] * local  # the value in the replica's divisor slot
         # Once a replica has sent a divisor, or seen one on a step the check reads its
         # table (every replica reads the slots then), it compares at every step, also
@@ -205,8 +207,9 @@ class GradientReducer:
             self._divisor_seen[r] |= value > 0
         parts.loss_divisors[r] = 0
         flags = [p.requires_grad for p in params]
-        if flags != self._flags[r]:  # (its slot: `_frozen`)
-            meta[at + self._num_replicas + g] = signature(flags)
+        if flags != self._flags[r]:  # (the slots: `_frozen`)
+            at_flags = at + self._num_replicas
+            meta[at_flags:at_flags + n] = torch.tensor(flags, dtype=meta.dtype)
             self._flags[r] = flags
         buckets = self.buckets
         if missing or buckets is not None:
@@ -235,7 +238,7 @@ class GradientReducer:
             if live == 0:  # not committed: nothing of this step is used
                 return
             # (elastic: after the vote, which every worker makes)
-            self._frozen(r, reduced[n], at, live)
+            self._frozen(r, reduced[n], at, live, width)
             slots = self._divisors(r, reduced[n][at:at + self._num_replicas], width)
             for p, t in zip(params, reduced[:n], strict=True):
                 p.grad = t
@@ -243,7 +246,7 @@ class GradientReducer:
             last = buckets.plan[-1]
             reduced = self._sum(ctx, [*(grads[k] for k in last), meta, *stats, *sends])
             self.seq[r] += 1
-            self._frozen(r, reduced[len(last)], at, None)
+            self._frozen(r, reduced[len(last)], at, None, width)
             slots = self._divisors(r, reduced[len(last)][at:at + self._num_replicas], width)
             for k, t in zip(last, reduced, strict=False):
                 params[k].grad = t
@@ -293,23 +296,28 @@ class GradientReducer:
             _same_divisors(values)
         return values
 
-    def _frozen(self, r: int, meta: torch.Tensor, at: int, live: int | None) -> None:
-        """Raises on every replica, before any gradient is used, if the replicas'
-        copies do not freeze the same parameters (``requires_grad``: each replica's
-        `signature` in its slot of the reduced ``meta``; elastic: the replicas in the
-        step only). A parameter frozen on some copies only would be stepped with the
-        others' gradients, or not at all on some."""
-        n = self._num_replicas
-        values = meta[at + n:at + 2 * n].tolist()
-        if live is not None:
-            present = meta[-n:].tolist()
-            values = [v for v, here in zip(values, present, strict=True) if here > 0]
-        if min(values) == max(values):
+    def _frozen(self, r: int, meta: torch.Tensor, at: int, live: int | None,
+                width: int) -> None:
+        """Raises on every replica, before any gradient is used, if some parameter
+        requires a gradient on some replicas' copies and not on others' (its slot of
+        the reduced ``meta``, each replica's ``requires_grad`` summed, is neither 0 nor
+        the number of replicas in the step): it would be stepped with the others'
+        gradients, or not at all on some. Every step on CPU replicas; on GPUs (a
+        device sync) at the checked steps (``width``) only."""
+        if not (self._flags_every_step or width):
             return
-        local = [[p.requires_grad for p in ps] for ps in self._params]
-        names = [name for k, name in enumerate(self._names[:len(local[0])])
-                 if len({flags[k] for flags in local}) > 1]
-        raise RuntimeError(frozen_message(names, r, local[r].count(False)))
+        n = len(self._params[r])
+        whole = float(self._num_replicas if live is None else live)
+        at_flags = at + self._num_replicas
+        slots = meta[at_flags:at_flags + n]
+        # (many: one comparison on the device, then the names only if it fails)
+        if n > 64 and not bool(((slots != 0) & (slots != whole)).any()):
+            return
+        values = slots.tolist()
+        names = [self._names[k] for k, v in enumerate(values) if v not in (0.0, whole)]
+        if names:
+            raise RuntimeError(frozen_message(names, r, int(next(
+                v for v in values if v not in (0.0, whole))), int(whole)))
 
     def _live(self, ctx: ReplicaContext, r: int, meta: torch.Tensor) -> int:
         """Elastic: the workers' commit vote (once per worker, by the last local replica

@@ -9,8 +9,8 @@ another model than one device would:
 - ``requires_grad`` (``for p in model.encoder.parameters(): p.requires_grad = False``,
   torch's way to freeze a part): the next ``run`` (and `mirror_optimizer`) gives every
   copy replica 0's flags, so the copies freeze and unfreeze together. Whatever the
-  route, the optimizer's step compares every replica's flags in its all-reduce
-  (`signature`) and raises before using a gradient if they differ.
+  route, the optimizer's step sums every replica's flags in its all-reduce and
+  raises before using a gradient if they differ (`frozen_message`).
 - the layout (a submodule or parameter added, replaced or removed through a
   submodule: ``model.encoder.append(...)``, ``model.head.weight =
   model.embed.weight``, a parametrization): the next ``run`` raises `RuntimeError`
@@ -41,8 +41,7 @@ from torch.nn.parameter import is_lazy
 
 from .plain_optimizer import register_copies
 
-__all__ = ["CHANGES", "LAYOUT", "check_copies", "check_module", "frozen_message",
-           "signature", "watch"]
+__all__ = ["CHANGES", "LAYOUT", "check_copies", "check_module", "frozen_message", "watch"]
 
 CHANGES = [0]  # bumped when code outside run may have changed one copy
 LAYOUT = [0]  # bumped when a parameter or module was registered on a copy's module
@@ -76,14 +75,22 @@ def watch(module: Any) -> None:
 
 
 def _remember(module: Any, named: list[list[tuple[str, nn.Parameter]]]) -> None:
-    """Keeps the copies' parameter lists and watches every module of theirs (lock held)."""
+    """Keeps the copies' parameter lists (with the module and name holding each) and
+    watches every module of theirs (lock held)."""
     module.__dict__["_named"] = named
+    module.__dict__["_owners"] = [[_owner(c, name) for name, _ in params]
+                                  for c, params in zip(module._copies, named, strict=True)]
     module.__dict__["_layout_seen"] = LAYOUT[0]
     for c in module._copies:
         for m in c.modules():
             key = id(m)
             if key not in _watched:
                 _watched[key] = weakref.ref(m, _forget(key))
+
+
+def _owner(copy: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, attr = name.rpartition(".")
+    return copy.get_submodule(path), attr
 
 
 def _forget(key: int) -> Any:
@@ -108,13 +115,15 @@ def check_copies(strategy: Any, seen: list[int]) -> None:
     seen[0] = now - 1 if lazy else now  # (not reached if one raised: checked again)
 
 
-def check_module(module: Any) -> None:
-    """Compares the copies of mirrored ``module`` with replica 0's: after a
-    registration on one (`LAYOUT`), their layout (raises on a difference), the
-    parameters added or replaced (their values must be equal on every copy; they are
-    recorded with the plain-optimizer guard); always, ``requires_grad`` (copied from
-    replica 0's), parameters shared by two copies (raises) and lazy parameters
-    initialized since (replica 0's values copied to the others).
+def check_module(module: Any, *, full: bool = False) -> None:
+    """Compares the copies of mirrored ``module`` with replica 0's: ``requires_grad``
+    (copied from replica 0's), parameters shared by two copies (raises) and lazy
+    parameters initialized since (replica 0's values copied to the others), over the
+    parameter lists kept from the last full check; a full check (``full``, a
+    registration on a copy since (`LAYOUT`), a kept parameter no longer its module's,
+    or a dtype or shape that differs) walks every copy first: the layout (raises on a
+    difference) and the parameters added or replaced (their values must be equal on
+    every copy; they are recorded with the plain-optimizer guard).
 
     Raises:
         RuntimeError: the copies differ in submodules or parameters, or share one.
@@ -122,16 +131,19 @@ def check_module(module: Any) -> None:
     copies = module._copies
     if len(copies) < 2:
         return
-    named = module.__dict__["_named"]
-    if module.__dict__["_layout_seen"] != LAYOUT[0]:
+    named, owners = module.__dict__["_named"], module.__dict__["_owners"]
+    if full or module.__dict__["_layout_seen"] != LAYOUT[0] or not _current(named, owners):
         named = _check_layout(module, copies, named)
-    first, lazy = named[0], module.__dict__["_lazy"]
+    first = named[0]
     for k, params in enumerate(named[1:], start=1):
         for (name, p0), (_, p) in zip(first, params, strict=True):
             if p.requires_grad != p0.requires_grad:
                 p.requires_grad_(p0.requires_grad)
-            if (not lazy or not (is_lazy(p) or is_lazy(p0))) and p.data_ptr() == p0.data_ptr() \
-                    and p.numel() and p.device == p0.device:
+            if is_lazy(p) or is_lazy(p0):
+                continue
+            if p.dtype != p0.dtype or p.shape != p0.shape:  # (changed in place, no hook)
+                _check_layout(module, copies, named)  # raises, naming it
+            if p.data_ptr() == p0.data_ptr() and p.numel() and p.device == p0.device:
                 raise RuntimeError(
                     f"the copies of a mirrored model share memory: parameter {name!r} of "
                     f"replica {k}'s copy is stored in the same memory as replica 0's, so each "
@@ -139,9 +151,20 @@ def check_module(module: Any) -> None:
                     "p.data = t or the same tensor assigned on every copy makes them share "
                     "it). Assign on the mirrored model itself (copied to every copy), or copy "
                     "the values into each copy (p.copy_(t))")
-    if lazy:  # lazy parameters initialized since (each copy by its own forward): replica 0's
-        _initialize(named, lazy)
+    if module.__dict__["_lazy"]:  # initialized since (each copy by its own forward)
+        _initialize(named, module.__dict__["_lazy"])
         module.__dict__["_lazy"] = {name for name, p in first if is_lazy(p)}
+
+
+def _current(named: list[list[tuple[str, nn.Parameter]]],
+             owners: list[list[tuple[nn.Module, str]]]) -> bool:
+    """Whether every kept parameter is still its module's (torch's registration hooks
+    do not see ``module._parameters[name] = p``, as some loaders write)."""
+    for params, places in zip(named, owners, strict=True):
+        for (_, p), (owner, attr) in zip(params, places, strict=True):
+            if owner._parameters.get(attr) is not p:
+                return False
+    return True
 
 
 def _check_layout(module: Any, copies: Sequence[nn.Module],
@@ -161,6 +184,8 @@ def _check_layout(module: Any, copies: Sequence[nn.Module],
         _same_values(named[0][i][0], [params[i][1] for params in named])
     if changed:
         register_copies(copies, module._strategy)
+    # (lazy ones added since; those known stay listed until every copy initialized them)
+    module.__dict__["_lazy"] |= {name for name, p in named[0] if is_lazy(p)}
     with _lock:
         _remember(module, named)
     return named
@@ -248,34 +273,18 @@ def _layout_message(first: Any, other: Any, k: int) -> str:
             "strategy.mirror()")
 
 
-def signature(flags: Sequence[bool]) -> float:
-    """A replica's frozen parameters (``flags``: each parameter's ``requires_grad``) as
-    one number, exact in float32 (below 2**24), for the step's all-reduce to compare:
-    their count and a sum of a hash of their positions."""
-    count = total = 0
-    for k, flag in enumerate(flags):
-        if not flag:
-            count += 1
-            total += (((k + 1) * 2654435761) & 0xFFFFFFFF) >> 19  # 13 bits
-    return float((count % 2048) * 8192 + total % 8192)
-
-
-def frozen_message(names: Sequence[str], replica: int, frozen: int) -> str:
-    """The error for replicas whose copies freeze different parameters (``names``: those
-    that differ among this worker's copies; ``frozen``: local replica ``replica``'s
-    count of frozen parameters), raised by every replica at the step."""
-    where = (f"; on this worker {names[0]!r}" + (f" and {len(names) - 1} more" if
-                                                   len(names) > 1 else "")
-             + " differ between the copies" if names else
-             f"; this worker's copy has {frozen} frozen parameter(s): the difference is "
-             "with another worker's")
-    return (f"the replicas' copies do not freeze the same parameters (requires_grad differs"
-            f"{where}), so the step would train a parameter on some replicas and not on "
-            "others (local replica {replica} found it in the step's all-reduce; nothing was "
-            "updated). A requires_grad set outside strategy.run through a reference that "
-            "reaches replica 0's copy alone (the module given to strategy.mirror(), or a list "
-            "of model.parameters() kept from before a run) changes that copy only: freeze "
-            "through the mirrored model right before the run (model.requires_grad_(False), "
-            "model.encoder.requires_grad_(False), or p.requires_grad = False for p in "
-            "model.parameters(): the next run copies it to every copy), or on every copy "
-            "(for copy in model.replicas: ...)").replace("{replica}", str(replica))
+def frozen_message(names: Sequence[str], replica: int, requiring: int, replicas: int) -> str:
+    """The error for parameters (``names``) that require a gradient on ``requiring`` of
+    the ``replicas`` replicas' copies only, raised by every replica at the step (local
+    replica ``replica`` among them)."""
+    more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+    return (f"parameter {names[0]!r}{more} requires a gradient on the copies of {requiring} "
+            f"of the {replicas} replicas only, so the step would train it on some replicas "
+            f"and not on others (found by local replica {replica} in the step's all-reduce; "
+            "nothing was updated). A requires_grad set outside strategy.run through a "
+            "reference that reaches replica 0's copy alone (the module given to "
+            "strategy.mirror(), or a list of model.parameters() kept from before a run) "
+            "changes that copy only: freeze through the mirrored model right before the run "
+            "(model.requires_grad_(False), model.encoder.requires_grad_(False), or "
+            "p.requires_grad = False for p in model.parameters(): the next run copies it to "
+            "every copy), or on every copy (for copy in model.replicas: ...)")

@@ -461,3 +461,35 @@ def test_assign_loading_a_conjugate_view_gives_every_copy_its_values():
     model.load_state_dict(state, assign=True)
     for c in model.replicas:
         assert torch.equal(c.weight.resolve_conj(), z.conj().resolve_conj())
+
+
+def test_a_lazy_model_mirrored_on_a_strategy_that_already_ran_starts_alike():
+    # (dry run under inference mode, as an evaluation would; the next run outside it)
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    strategy.run(lambda: None)  # the strategy's copies checked once already
+    model = strategy.mirror(_lazy_net())
+    with torch.inference_mode():
+        strategy.run(model, args=(X[:4],))
+    strategy.run(lambda: None)
+    first, second = model.replicas
+    assert all(torch.equal(p, q) for p, q in zip(first.parameters(), second.parameters(),
+                                                  strict=True))
+
+
+def test_a_dropped_mirrored_model_is_freed_with_what_the_check_kept_of_it():
+    import gc
+    import weakref
+
+    from mirrored._src.training import structure
+
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    model = strategy.mirror(_net())
+    opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+    _steps(strategy, model, opt, [X[:4]])
+    copies = [weakref.ref(c) for c in model.replicas]
+    watched = len(structure._watched)
+    del model, opt
+    gc.collect()
+    assert all(c() is None for c in copies)
+    assert len(structure._watched) < watched  # (its modules' entries went with them)
+    strategy.run(lambda: None)  # nothing left to check, no error

@@ -156,10 +156,8 @@ class MirroredModule(CopiesModule):
 
     def _exposed(self) -> nn.Module:
         index = self._index()
-        if index is None:  # replica 0's insides, handed out: the next run checks the copies
-            CHANGES[0] += 1
-            return self._copies[0]
-        return self._copies[index]
+        CHANGES[0] += index is None  # (replica 0's insides handed out: the next run checks)
+        return self._copies[index or 0]
 
     def _targets(self) -> tuple[nn.Module, ...]:
         index = self._index()
@@ -214,8 +212,9 @@ class MirroredModule(CopiesModule):
     def __getattr__(self, name: str) -> Any:
         if "_copies" not in self.__dict__:  # during construction or unpickling
             raise AttributeError(name)
-        value = getattr(self._current(), name)  # (anything but a plain value: `_exposed`)
-        CHANGES[0] += not isinstance(value, _PLAIN) and self._index() is None
+        index = self._index()  # (once: methods such as init_hidden are read in every step)
+        value = getattr(self._copies[index or 0], name)
+        CHANGES[0] += index is None and not isinstance(value, _PLAIN)  # (as `_exposed`)
         return value
 
     def __setattr__(self, name: str, value: Any) -> None:

@@ -68,6 +68,7 @@ def watch(module: Any) -> None:
         _remember(module, [list(c.named_parameters()) for c in module._copies])
         module.__dict__["_lazy"] = {name for name, p in module.__dict__["_named"][0]
                                     if is_lazy(p)}
+        CHANGES[0] += 1  # (its strategy's next run looks: lazy ones are followed from there)
         if not _HOOKED[0]:
             nn.modules.module.register_module_parameter_registration_hook(_registered)
             nn.modules.module.register_module_module_registration_hook(_registered)
@@ -205,7 +206,8 @@ def _initialize(named: list[list[tuple[str, nn.Parameter]]], lazy: set[str]) -> 
                         "module's first forward outside strategy.run runs replica 0's copy "
                         "only. Initialize it with a forward of the plain module before "
                         "strategy.mirror(), or inside strategy.run, where every copy runs")
-                p.copy_(p0)
+                with torch.inference_mode(p.is_inference()), torch.no_grad():  # (a dry
+                    p.copy_(p0)                                      # run's, under it)
 
 
 def _layout(copy: nn.Module, params: list[tuple[str, nn.Parameter]]

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from . import context
+from .values import StepExamples
 
 __all__ = ["compute_average_loss"]
 
@@ -20,10 +21,12 @@ def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = 
     mean over the global batch. With ``global_batch_size=None`` the divisor is the
     true number of examples in this step across all replicas (in one process the
     replicas' sizes are met at their rendezvous; across workers one small checked
-    collective per step, its own meeting point: when every global batch has the same
-    size, pass ``global_batch_size`` to skip it), so partial and empty per-replica
-    batches give exactly the single-device mean (TF uses local size x replicas,
-    which is wrong for uneven splits). An all-empty step gives NaN, like
+    collective per step, its own meeting point, except where the loss has the rows
+    of a batch of ``experimental_distribute_dataset``, whose global rows every
+    worker knows; when every global batch has the same size, pass
+    ``global_batch_size`` to skip it), so partial and empty per-replica batches
+    give exactly the single-device mean (TF uses local size x replicas, which is
+    wrong for uneven splits). An all-empty step gives NaN, like
     ``torch.tensor([]).mean()``.
 
     Args:
@@ -37,6 +40,9 @@ def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = 
     Raises:
         ValueError: a rank-0 loss, or a ``global_batch_size`` that is not a positive int.
         RuntimeError: called in cross-replica context.
+        CollectiveMismatchError: across workers, in a step whose per-example losses have
+            their ``experimental_distribute_dataset`` batch's rows on some replicas
+            only (those count with a collective the others do not make).
 
     Example:
         >>> import torch, mirrored
@@ -88,7 +94,25 @@ def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = 
                 replica.strategy.default_replica_context is replica):
             context.refuse_default_context_in_foreign_thread("compute_average_loss")
         return total / loss.shape[0]
+    rows = loss.shape[0]
+    parts = replica._parts
+    index = replica._index
+    examples: StepExamples | None = parts.step_examples[0] if in_run else None
+    if examples is not None:
+        if rows == examples.sizes[index]:
+            # A batch of a multi-worker distributed dataset, whose global rows every
+            # worker knows: when every replica's loss has its batch's rows, their sum is
+            # that count. A replica whose loss has other rows counts (below); all of them
+            # doing so is exact, some of them a mismatched collective that raises.
+            divisors = parts.loss_divisors  # compared across replicas at the all-reduce
+            if examples.total > divisors[index]:
+                divisors[index] = examples.total
+            return total / examples.total
+        note = (f"this replica's per-example loss has {rows} rows, its batch from "
+                f"experimental_distribute_dataset {examples.sizes[index]}")
+    else:
+        note = ""
     # One exchange of plain ints (across workers one checked header-only call); dividing by
     # the int is bitwise the division by the count as a tensor of total's dtype.
-    average: torch.Tensor = total / replica._sum_examples(loss.shape[0])
+    average: torch.Tensor = total / replica._sum_examples(rows, note)
     return average

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Any, Generic, TypeVar, final
+from typing import Any, Generic, NamedTuple, TypeVar, final
 
 import torch
 
@@ -23,6 +23,7 @@ __all__ = [
     "DistributedValues",
     "Mirrored",
     "PerReplica",
+    "StepExamples",
     "ValueContext",
     "regroup",
     "select_replica",
@@ -119,7 +120,25 @@ class PerReplica(DistributedValues[T]):
         '/job:localhost/replica:0/task:0/device:CPU:1'
     """
 
-    __slots__ = ()
+    # A batch of a multi-worker distributed dataset: its `StepExamples` (unset otherwise).
+    __slots__ = ("_examples",)
+    _examples: StepExamples | None
+
+
+class StepExamples(NamedTuple):
+    """The example counts of one step of a multi-worker ``experimental_distribute_dataset``
+    (every worker splits the same global batch, so each knows them all): ``total``, the
+    global batch's rows, and ``sizes``, each local replica's. ``compute_average_loss``
+    divides by ``total`` without counting when a replica's per-example loss has its
+    batch's rows (see `loss.compute_average_loss`).
+
+    Example:
+        >>> StepExamples(total=7, sizes=(4,))
+        StepExamples(total=7, sizes=(4,))
+    """
+
+    total: int
+    sizes: tuple[int, ...]
 
 
 @final

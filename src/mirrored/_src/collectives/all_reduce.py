@@ -15,6 +15,7 @@ import torch
 from .. import pytree
 from ..comm.cross_device_ops import sums_directly
 from ..comm.host import DIRECT_BYTES, combine_each
+from ..comm.watch import COUNT
 from ..options import CommunicationOptions
 from ..reduce_op import ReduceOp
 from ..reduction import (
@@ -227,17 +228,20 @@ def sum_examples(parts: Parts, index: int, count: int, site: str) -> int:
     replica ``index``'s): plain ints in one process, one checked call across workers
     (``Communicator.sum_counts``: the count in the header row), with none of a tensor
     all-reduce's planning, packing and result copies. Used by
-    ``compute_average_loss``."""
+    ``compute_average_loss``, whose calls in a run are numbered in the call (a replica
+    that counts while its peers took their counts from the batches cannot meet a
+    later count of theirs)."""
     title = "compute_average_loss"
     refuse_in_merge_fn(parts, title, site)
     options = parts.options
+    what = f"{COUNT} (compute_average_loss call {parts.loss_calls[index]})"
 
     def combine(payloads: Sequence[int]) -> list[int]:
         total = parts.communicators.for_options(options).sum_counts(
-            [[c] for c in payloads])[0]
+            [[c] for c in payloads], what)[0]
         return [total] * len(payloads)
 
-    call = CallSpec(title, site, (title, "the step's example count"))
+    call = CallSpec(title, site, (title, what))
     result: int = parts.runtime.exchange(index, Arrival(call, count, combine),
                                          options.timeout_seconds)
     return result

@@ -89,6 +89,8 @@ class Parts:
     step, so several optimizers stepping after one loss each see the call).
     ``copies_checked[0]``: the count of possible changes to a mirrored module's copies
     at which ``run`` last compared this strategy's copies (``training.structure``).
+    ``step_examples[0]``: the `StepExamples` of the batch passed to the current ``run``
+    (several workers only; ``None``: none, ``compute_average_loss`` counts).
     """
 
     strategy_ref: weakref.ReferenceType[Any]
@@ -101,11 +103,13 @@ class Parts:
     loss_divisors: list[int] = dataclasses.field(init=False)
     loss_calls: list[int] = dataclasses.field(init=False)
     copies_checked: list[int] = dataclasses.field(init=False)
+    step_examples: list[Any] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "loss_divisors", [0] * self.topology.num_local_replicas)
         object.__setattr__(self, "loss_calls", [0] * self.topology.num_local_replicas)
         object.__setattr__(self, "copies_checked", [0])
+        object.__setattr__(self, "step_examples", [None])
 
     @property
     def strategy(self) -> Any:

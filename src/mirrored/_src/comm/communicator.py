@@ -70,7 +70,8 @@ class Communicator(Protocol):
         """One new copy of ``tensor`` per destination device."""
         ...
 
-    def sum_counts(self, per_replica: Sequence[Sequence[int]]) -> list[int]:
+    def sum_counts(self, per_replica: Sequence[Sequence[int]], what: str = "") -> list[int]:
         """Global element counts: ``per_replica[r][k]`` is local replica ``r``'s count
-        for value ``k``; returns each value's count summed over every replica."""
+        for value ``k``; returns each value's count summed over every replica
+        (``what``: the counts' name in the call's identity, if not the default)."""
         ...

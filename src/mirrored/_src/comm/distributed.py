@@ -217,7 +217,7 @@ class DistributedCommunicator:
         """One new copy of ``tensor`` per destination (local only: no cross-worker traffic)."""
         return self._local.broadcast_to_devices(tensor, destinations)
 
-    def sum_counts(self, per_replica: Sequence[Sequence[int]]) -> list[int]:
+    def sum_counts(self, per_replica: Sequence[Sequence[int]], what: str = "") -> list[int]:
         """Global element counts (``per_replica[r][k]``: local replica ``r``'s count of
         value ``k``), checked like every call: one count (``compute_average_loss``'s,
         or a MEAN's along an axis) travels in the header row's ``value`` field (one
@@ -226,7 +226,8 @@ class DistributedCommunicator:
         example count"), several in one int64 all-reduce SUM."""
         local = [sum(counts) for counts in zip(*per_replica, strict=True)]
         if len(local) == 1:
-            table = self._calls.call("element count of 1 value", (), [], value=local[0])
+            table = self._calls.call(what or "element count of 1 value", (), [],
+                                     value=local[0])
             return [sum(row[VALUE] for row in table)]
         extra = trailer.length("sum", torch.int64, self._topology.num_workers
                                ) if self._check else 0

@@ -61,7 +61,7 @@ class LocalCommunicator:
                   ) -> list[torch.Tensor]:
         return self.ops.broadcast_to_devices(tensor, destinations)
 
-    def sum_counts(self, per_replica: Sequence[Sequence[int]]) -> list[int]:
+    def sum_counts(self, per_replica: Sequence[Sequence[int]], what: str = "") -> list[int]:
         return [sum(counts) for counts in zip(*per_replica, strict=True)]
 
     def __repr__(self) -> str:

@@ -13,11 +13,19 @@ from typing import Any, NoReturn
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, WorkerFailureError
 from .call_identity import CallLedger, JobLink
 
-__all__ = ["SHARE_SECONDS", "CallWatch", "short"]
+__all__ = ["COUNT", "COUNT_HINT", "SHARE_SECONDS", "CallWatch", "short"]
 
 # How long a worker that found a mismatch waits for its peers' calls (they find it in
 # the same collective, so they answer at once unless descheduled): error path only.
 SHARE_SECONDS = 5.0
+
+
+# A count of compute_average_loss (`collectives.all_reduce.sum_examples`) met another call.
+COUNT = "the step's example count"
+COUNT_HINT = ("a worker counted the step's examples for compute_average_loss with a "
+              "collective where the others took the count from their batches of "
+              "experimental_distribute_dataset: its per-example loss had other rows than "
+              "its batch; pass global_batch_size where that can happen on some replicas only")
 
 
 def short(text: str, limit: int = 160) -> str:
@@ -125,10 +133,12 @@ class CallWatch:
             calls = {r: calls.get(r, f"(did not answer within {SHARE_SECONDS:g} s)")
                      for r in range(self._job.world_size)}
         listing = "; ".join(f"worker {r}: {c}" for r, c in sorted(calls.items()))
+        counting = [COUNT in c for c in calls.values()]
+        hint = (f" ({COUNT_HINT})" if any(counting) and not all(counting) else "")
         self.fail(CollectiveMismatchError(
             f"workers made different calls as collective #{seq} (a different call, site, "
             f"op, shape or dtype, or a worker skipped or added a call); no data of it was "
-            f"used: {listing}"))
+            f"used: {listing}{hint}"))
 
     def _progress_text(self) -> str:
         progress = self._job.progress() if self._job is not None else {}

@@ -24,10 +24,10 @@ import torch
 
 from .. import pytree
 from ..topology import Topology
-from ..values import PerReplica
+from ..values import PerReplica, StepExamples
 from .input import InputContext, InputOptions, InputReplicationMode
-from .iterator import AnyWorker, DistributedIterator
-from .split import empty_like, flatten_batch, flatten_element, split_leaves
+from .iterator import AnyWorker, DistributedIterator, WorkerVote
+from .split import chunk_bounds, empty_like, flatten_batch, flatten_element, split_leaves
 
 __all__ = ["DistributedDataset", "DistributedDatasetsFromFunction"]
 
@@ -58,12 +58,17 @@ def _plain(topology: Topology) -> bool:
 
 
 def _pack(spec: Any, per_leaf: Sequence[Sequence[torch.Tensor]], topology: Topology,
-          devices: Sequence[torch.device] | None) -> Any:
+          devices: Sequence[torch.device] | None, examples: StepExamples | None = None
+          ) -> Any:
+    """The step: one `PerReplica` per leaf (each tagged with ``examples`` if given)."""
     if _plain(topology):
         return pytree.unflatten(spec, [_to_devices(chunks, devices)[0] for chunks in per_leaf])
     names = topology.device_names
-    return pytree.unflatten(spec, [PerReplica(_to_devices(chunks, devices), devices=names)
-                                   for chunks in per_leaf])
+    values = [PerReplica(_to_devices(chunks, devices), devices=names) for chunks in per_leaf]
+    if examples is not None:
+        for value in values:
+            value._examples = examples
+    return pytree.unflatten(spec, values)
 
 
 def _as_is(batch: Any, device: torch.device | None) -> bool:
@@ -81,7 +86,9 @@ def _as_is(batch: Any, device: torch.device | None) -> bool:
 
 
 def _global_batch_steps(source: Iterable[Any], topology: Topology,
-                        fetch: bool) -> Generator[Any, None, None]:
+                        fetch: bool, tag: bool = False) -> Generator[Any, None, None]:
+    """The steps of `DistributedDataset`; with ``tag`` (several workers) each step's
+    `PerReplica` batches carry its `StepExamples`."""
     n, ids = topology.num_replicas_in_sync, topology.replica_ids
     devices = topology.torch_devices if fetch and not topology.follows_caller else None
     device = None if devices is None else devices[0]
@@ -105,7 +112,10 @@ def _global_batch_steps(source: Iterable[Any], topology: Topology,
                 continue
             what = f"batch {index} of the dataset"
             leaves, spec, batch_size = flatten_batch(batch, what)
-            yield _pack(spec, split_leaves(leaves, batch_size, n, ids), topology, devices)
+            examples = StepExamples(batch_size, tuple(
+                b - a for a, b in (chunk_bounds(batch_size, n, i) for i in ids))) if tag else None
+            yield _pack(spec, split_leaves(leaves, batch_size, n, ids), topology, devices,
+                        examples)
     finally:
         _close_source(iterator)
 
@@ -242,6 +252,9 @@ class DistributedDataset:
             whose source ran out yields empty batches shaped like its last one. A
             `WorkerVote` first asks every worker's count of steps (its source's exact
             ``len()``): when all are known, they step to the largest without voting.
+        count_examples: with a `WorkerVote`, tag each step's batches with their
+            `StepExamples` where every worker has a batch of the same global source
+            (``compute_average_loss`` then needs no collective to count them).
 
     Raises:
         TypeError: ``source`` is not iterable, or ``options`` not an `InputOptions`.
@@ -259,7 +272,7 @@ class DistributedDataset:
 
     def __init__(self, source: Iterable[Any], topology: Topology,
                  options: InputOptions | None = None, *,
-                 any_worker: AnyWorker | None = None) -> None:
+                 any_worker: AnyWorker | None = None, count_examples: bool = False) -> None:
         _check_iterable(source, "the dataset")
         self._source = source
         self._topology = topology
@@ -270,12 +283,16 @@ class DistributedDataset:
                 "distribute_datasets_from_function (as in TF); experimental_distribute_dataset "
                 "splits one global pipeline")
         self._any_worker = any_worker
+        self._count = (count_examples and isinstance(any_worker, WorkerVote)
+                       and any_worker.tells_each)
 
     def __iter__(self) -> DistributedIterator:
         steps = _global_batch_steps(self._source, self._topology,
-                                    self._options.experimental_fetch_to_device)
+                                    self._options.experimental_fetch_to_device, self._count)
+        # (the tags are kept only at the steps where every worker has data)
         return DistributedIterator(steps, self._options, self._any_worker,
-                                   self._topology.torch_devices, _length(self._source))
+                                   self._topology.torch_devices, _length(self._source),
+                                   tagged=self._count)
 
     def __len__(self) -> int:
         """The number of batches of the source; `TypeError` when it has no ``len()``."""

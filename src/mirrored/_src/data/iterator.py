@@ -32,21 +32,37 @@ class WorkerVote:
     ``vote(has_data)`` says whether any worker has data (one collective), and
     ``steps(count)`` gives every worker's count of steps (``-1``: unknown; one
     collective), asked once per pass: when every count is known, no worker votes at
-    each step.
+    each step. ``every_worker(has_data)``, if given, is the vote with each worker's
+    answer (`everyone`).
 
     Example:
-        >>> vote = WorkerVote(lambda has_data: has_data, lambda count: [count, 3])
-        >>> vote(True), vote.steps(2)
-        (True, [2, 3])
+        >>> vote = WorkerVote(lambda has_data: has_data, lambda count: [count, 3],
+        ...                   lambda has_data: [int(has_data), 0])
+        >>> vote(True), vote.steps(2), vote.each(True)
+        (True, [2, 3], (True, False))
     """
 
-    __slots__ = ("_any", "steps")
+    __slots__ = ("_any", "_every", "steps")
 
-    def __init__(self, any_worker: AnyWorker, steps: Callable[[int], list[int]]) -> None:
-        self._any, self.steps = any_worker, steps
+    def __init__(self, any_worker: AnyWorker, steps: Callable[[int], list[int]],
+                 every_worker: Callable[[bool], list[int]] | None = None) -> None:
+        self._any, self.steps, self._every = any_worker, steps, every_worker
 
     def __call__(self, has_data: bool) -> bool:
         return self._any(has_data)
+
+    @property
+    def tells_each(self) -> bool:
+        """Whether `each` can tell each worker's answer (``every_worker`` was given)."""
+        return self._every is not None
+
+    def each(self, has_data: bool) -> tuple[bool, bool]:
+        """The vote, as ``(any worker has data, every worker has data)``: the second
+        is ``False`` without ``every_worker``. Every worker of a pass votes the same way."""
+        if self._every is None:
+            return self._any(has_data), False
+        answers = self._every(has_data)
+        return any(answers), all(answers)
 
 
 class DistributedOptional(Generic[T]):
@@ -107,6 +123,13 @@ def _empty_step(step: Any) -> Any:
     return pytree.tree_map(empty, step)
 
 
+def _untag(step: Any) -> None:
+    """Drops the `StepExamples` of ``step``'s batches (see `DistributedIterator`)."""
+    for leaf in pytree.flatten(step)[0]:
+        if isinstance(leaf, PerReplica):
+            leaf._examples = None
+
+
 class DistributedIterator:
     """One pass over a distributed dataset; yields one nest of `PerReplica` per step
     (plain values with a single replica in a single process, as TF).
@@ -132,7 +155,7 @@ class DistributedIterator:
 
     def __init__(self, steps: Generator[Any, None, None], options: InputOptions,
                  any_worker: AnyWorker | None, devices: Sequence[torch.device] = (),
-                 length: int | None = None) -> None:
+                 length: int | None = None, tagged: bool = False) -> None:
         depth = options.prefetch_depth
         if depth is None:
             depth = default_depth(devices, options.experimental_fetch_to_device)
@@ -151,6 +174,11 @@ class DistributedIterator:
         self._total: int | None = (-1 if isinstance(any_worker, WorkerVote)
                                    and length is not None else None)
         self._taken = 0
+        # Steps that carry their `StepExamples` keep them only while every worker still
+        # has batches of its own (agreed counts, up to the smallest): a vote, or a worker
+        # stepping on empty batches, leaves the count to compute_average_loss.
+        self._tagged = tagged
+        self._everyone = 0  # the steps every worker has (known at the agreement)
 
     def __iter__(self) -> DistributedIterator:
         return self
@@ -175,11 +203,12 @@ class DistributedIterator:
                 raise
             else:
                 if self._any_worker is not None:
-                    self._any_worker(True)
+                    if not self._vote(True)[1] and self._tagged:
+                        _untag(step)  # (a worker on empty batches: the count is not known)
                     self._last = step
                 return step
         # This worker's data ran out; others may still have some.
-        if self._any_worker is None or not self._any_worker(False):
+        if self._any_worker is None or not self._vote(False)[0]:
             self._finished = True
             self._last = None
             raise StopIteration
@@ -191,6 +220,16 @@ class DistributedIterator:
             )
         return _empty_step(self._last)
 
+    def _vote(self, has_data: bool) -> tuple[bool, bool]:
+        """This step's vote: whether any worker has data, and whether every worker does
+        (known only where the steps carry their counts: `WorkerVote.each`)."""
+        vote = self._any_worker
+        if self._tagged:
+            assert isinstance(vote, WorkerVote)  # (tagged only so)
+            return vote.each(has_data)
+        assert vote is not None  # (callers check)
+        return vote(has_data), False
+
     def _counted_step(self) -> Any:
         """`__next__` when every worker's count of steps is known (asked at the first):
         this worker's batches, then empty ones shaped like its last until the longest
@@ -200,6 +239,7 @@ class DistributedIterator:
             assert isinstance(self._any_worker, WorkerVote)  # (set so in __init__)
             counts = self._any_worker.steps(self._length)
             self._total = max(counts) if min(counts) >= 0 else None
+            self._everyone = min(counts)
             if self._total and not min(counts):  # (every worker raises, at the same step)
                 self._finished = True
                 self._steps.close()
@@ -231,6 +271,8 @@ class DistributedIterator:
         if not self._exhausted:
             try:
                 self._last = self._next_step()
+                if self._tagged and self._taken > self._everyone:
+                    _untag(self._last)
                 return self._last
             except StopIteration:
                 self._exhausted = True

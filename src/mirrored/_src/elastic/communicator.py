@@ -89,7 +89,7 @@ class ElasticCommunicator:
         """One new copy of ``tensor`` per destination (local only)."""
         return self._local.broadcast_to_devices(tensor, destinations)
 
-    def sum_counts(self, per_replica: Sequence[Sequence[int]]) -> list[int]:
+    def sum_counts(self, per_replica: Sequence[Sequence[int]], what: str = "") -> list[int]:
         """Element counts summed over the replicas of the step (one int64 all-reduce)."""
         totals = torch.tensor([sum(c) for c in zip(*per_replica, strict=True)],
                               dtype=torch.int64)

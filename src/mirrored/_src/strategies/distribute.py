@@ -14,7 +14,14 @@ from .. import context, pytree
 from ..collectives.cross_replica import check_components
 from ..collectives.parts import Parts
 from ..training.structure import CHANGES, check_copies
-from ..values import DistributedValues, PerReplica, ValueContext, regroup, select_replica
+from ..values import (
+    DistributedValues,
+    PerReplica,
+    StepExamples,
+    ValueContext,
+    regroup,
+    select_replica,
+)
 
 __all__ = ["check_run", "distribute_values", "local_results", "nested_in_merge_fn",
            "require_cross_replica", "run", "run_finished", "run_in_merge_fn", "run_started",
@@ -53,6 +60,8 @@ def run(strategy: Any, parts: Parts, contexts: Sequence[Any], fn: Callable[..., 
             return run_in_merge_fn(parts, contexts, fn, replica_args)
     if parts.copies_checked[0] != CHANGES[0]:  # (one copy changed alone?)
         check_copies(strategy, parts.copies_checked)
+    if parts.topology.num_workers > 1:
+        parts.step_examples[0] = step_examples(args, kwargs)
     call = context.replica_calls(strategy, contexts, fn, replica_args)
     if any(divisors := parts.loss_divisors):  # (an evaluation's: no all-reduce used them)
         divisors[:] = [0] * len(divisors)
@@ -88,6 +97,23 @@ def _regroup(results: Sequence[Any], names: tuple[str, ...]) -> Any:
                 same = False
         return first if same else PerReplica._from_trusted(tuple(results), names)
     return regroup(results, names)
+
+
+def step_examples(args: Any, kwargs: Any) -> StepExamples | None:
+    """The `StepExamples` of the first batch of a multi-worker distributed dataset among
+    ``run``'s arguments (at the top level or one tuple, list or dict down), if any."""
+    for arg in (*args, *kwargs.values()) if kwargs else args:
+        kind = type(arg)
+        if kind is PerReplica:
+            found = getattr(arg, "_examples", None)
+        elif kind is tuple or kind is list or kind is dict:
+            found = next((getattr(a, "_examples", None) for a in (
+                arg.values() if kind is dict else arg) if type(a) is PerReplica), None)
+        else:
+            continue
+        if found is not None:
+            return found  # type: ignore[no-any-return]
+    return None
 
 
 def check_run(parts: Parts, args: Any, kwargs: Any, idle: bool = False) -> ReplicaArgs | None:

@@ -159,7 +159,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         comm = selector.default
         assert isinstance(comm, DistributedCommunicator)  # built by wrap above
         # (datasets whose every worker's source has a len() agree on their steps once)
-        vote = WorkerVote(comm.any, functools.partial(comm.agree, "the dataset's steps"))
+        vote = WorkerVote(comm.any, functools.partial(comm.agree, "the dataset's steps"),
+                          functools.partial(comm.agree, "whether each worker has data"))
         cluster = Cluster(resolver=resolver, vote=vote, sync=comm.broadcast_from_chief,
                           leave=job.close, next_phase=ledger.next_phase)
         runtime = ThreadRuntime(topology, type(self).__name__,

@@ -12,6 +12,7 @@ from ..collectives import all_gather, all_reduce, merge_call
 from ..collectives.call import call_site
 from ..collectives.one_tensor import OneTensor
 from ..collectives.parts import Parts
+from ..errors import CollectiveMismatchError, CollectiveTimeoutError
 from ..options import CommunicationOptions
 from ..reduce_op import ReduceOp
 
@@ -126,10 +127,22 @@ class ReplicaContext:
         return all_reduce.all_reduce(self._parts, self._index, reduce_op, value,
                                      options, axis, site)
 
-    def _sum_examples(self, count: int) -> int:
-        """The step's example count over every replica (for ``compute_average_loss``)."""
+    def _sum_examples(self, count: int, note: str = "") -> int:
+        """The step's example count over every replica (for ``compute_average_loss``;
+        ``note``: why a replica whose batch carried its count counts anyway)."""
         self._check_current("compute_average_loss")
-        return all_reduce.sum_examples(self._parts, self._index, count, call_site(1))
+        try:
+            return all_reduce.sum_examples(self._parts, self._index, count, call_site(1))
+        except (CollectiveMismatchError, CollectiveTimeoutError) as error:
+            if not note:
+                raise
+            raise type(error)(
+                f"{error}. compute_average_loss counted the step's examples with a collective "
+                f"on this replica because {note}; replicas whose per-example loss has their "
+                "batch's rows take the count from the batches, without one. When the rows "
+                "can differ from the batch's on some replicas only (a mask, say), pass "
+                "global_batch_size, e.g. the all-reduced rows: ctx.all_reduce('SUM', "
+                "torch.tensor(len(per_example_loss)))") from error
 
     def all_gather(self, value: Any, axis: int,
                    options: CommunicationOptions | None = None) -> Any:

@@ -216,8 +216,10 @@ class Strategy:
         """
         self._require_cross_replica("experimental_distribute_dataset")
         dataset, options = distribute.steps_input(self._parts, dataset, options, "dataset")
-        return DistributedDataset(dataset, self._parts.topology, options,
-                                  any_worker=distribute.vote(self._parts))
+        parts = self._parts  # (a fixed multi-worker job: the steps carry their counts)
+        return DistributedDataset(dataset, parts.topology, options,
+                                  any_worker=distribute.vote(parts), count_examples=(
+                                      parts.cluster is not None and parts.cluster.steps is None))
 
     def distribute_datasets_from_function(
             self, dataset_fn: Callable[[InputContext], Iterable[Any]],

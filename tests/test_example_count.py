@@ -1,0 +1,177 @@
+"""`compute_average_loss` across workers takes the step's example count from the
+batches of ``experimental_distribute_dataset`` (every worker splits the same global
+batch, so each knows its rows): no collective where every replica's per-example loss
+has its batch's rows, the count collective where none has, an error (never a wrong
+divisor, never a hang) where some have and some have not. Every training case is
+compared with one device training on the same global batches, in float64.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import mirrored
+from mirrored._src.collectives import all_reduce
+from mirrored._src.data.split import chunk_bounds
+from mirrored.experimental import CommunicationOptions
+
+pytestmark = pytest.mark.multiprocess
+
+SIZES = (8, 8, 5)  # the global batches' rows: the last is partial (3 + 2 on 2 replicas)
+
+
+def model_fn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+
+
+def global_batch(step: int, size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10 + step)
+    rows = SIZES[step] if size is None else size
+    return (torch.randn(rows, 4, generator=g, dtype=torch.float64),
+            torch.randint(0, 3, (rows,), generator=g))
+
+
+def reference(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One device: the mean loss of each global batch, SGD with momentum."""
+    model = model_fn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in batches:
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+def _train(local: int, source: str, loss_kind: str = "rows") -> dict:
+    """The README's loop on this worker; returns its parameters, how many count
+    collectives ``compute_average_loss`` made, and the error it raised (if any)."""
+    strategy = mirrored.MultiWorkerMirroredStrategy(
+        communication_options=CommunicationOptions(timeout_seconds=20),
+        devices=[f"CPU:{i}" for i in range(local)])
+    worker = strategy.cluster_resolver.worker_index
+    counted = [0]
+    original = all_reduce.sum_examples
+
+    def counting(*args, **kwargs):
+        counted[0] += 1
+        return original(*args, **kwargs)
+
+    all_reduce.sum_examples = counting
+    model = strategy.mirror(model_fn())
+    opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+
+    def step_fn(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = nn.functional.cross_entropy(model(x), y, reduction="none")
+        if loss_kind == "tokens":  # two rows per example (every replica: the count is taken)
+            loss = torch.cat([loss, loss])
+        elif loss_kind == "mixed" and worker == 1:  # one worker's loss drops a row
+            loss = loss[1:]
+        mirrored.compute_average_loss(loss).backward()
+        opt.step()
+        opt.zero_grad()
+
+    batches = [global_batch(step) for step in range(len(SIZES))]
+    if source == "short":  # worker 1's source ends a batch early: it steps on empty batches
+        batches = batches[:-1] if worker == 1 else batches
+    elif source == "other sizes":  # worker 1's last batch has other rows than worker 0's
+        batches = [*batches[:-1], global_batch(2, 7)] if worker == 1 else batches
+    data = batches if source in ("list", "other sizes") else (b for b in batches)
+    error = ""
+    try:
+        for x, y in strategy.experimental_distribute_dataset(data):
+            strategy.run(step_fn, args=(x, y))
+    except Exception as caught:  # (reported to the test)
+        error = f"{type(caught).__name__}: {caught}"
+    finally:
+        all_reduce.sum_examples = original
+        state = {k: v.tolist() for k, v in model.replicas[0].state_dict().items()}
+        strategy.close()
+    return {"state": state, "counted": counted[0], "error": error}
+
+
+def _assert_close(actual: dict[str, list], expected: dict[str, torch.Tensor]) -> None:
+    assert actual.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(torch.tensor(actual[key], dtype=value.dtype), value,
+                                   rtol=0, atol=1e-12, msg=key)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("local", [1, 2])
+@pytest.mark.parametrize("source", ["list", "generator"])
+def test_the_readme_loop_takes_the_count_from_the_batches(local, source):
+    # A list has a len() (the workers agree on their steps once), a generator has none
+    # (they vote at each step, and the vote tells whether every worker has a batch).
+    results = mirrored.testing.run_multi_process(_train, 2, args=(local, source), timeout=110)
+    expected = reference([global_batch(step) for step in range(len(SIZES))])
+    for result in results:
+        assert result["error"] == ""
+        assert result["counted"] == 0  # no collective for the count, the partial batch too
+        _assert_close(result["state"], expected)
+
+
+@pytest.mark.timeout(120)
+def test_losses_with_other_rows_than_their_batch_are_counted_exactly():
+    # Every replica's loss has two rows per example: each counts, as without a dataset,
+    # and the mean over the rows is the mean over the examples.
+    results = mirrored.testing.run_multi_process(_train, 2, args=(1, "list", "tokens"),
+                                                 timeout=110)
+    expected = reference([global_batch(step) for step in range(len(SIZES))])
+    for result in results:
+        assert result["error"] == ""
+        assert result["counted"] == len(SIZES)
+        _assert_close(result["state"], expected)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("local", [1, 2])
+def test_some_replicas_counting_raise_instead_of_dividing_wrong(local):
+    # Worker 1's losses drop a row: its replicas count with a collective that worker
+    # 0's never make (theirs took the count from the batches). Both raise at once, and
+    # no step is applied.
+    results = mirrored.testing.run_multi_process(_train, 2, args=(local, "list", "mixed"),
+                                                 timeout=110)
+    before = {k: v.tolist() for k, v in model_fn().state_dict().items()}
+    for result in results:
+        assert result["error"].startswith("CollectiveMismatchError"), result["error"]
+        assert "pass global_batch_size" in result["error"]
+        assert result["state"] == before
+    assert "where the others took the count from their batches" in results[0]["error"]
+    rows = 4 // local  # (worker 1's replicas: rows 4-7 of the first batch)
+    assert (f"this replica's per-example loss has {rows - 1} rows, its batch from "
+            f"experimental_distribute_dataset {rows}") in results[1]["error"]
+    assert results[1]["counted"] == local
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_on_empty_batches_makes_every_worker_count():
+    # Worker 1's source is a batch short: at the last step it has an empty batch, whose
+    # count is unknown to worker 0, so both count (the vote says not every worker has
+    # data). One device trains on what the replicas got: worker 0's rows of that batch.
+    results = mirrored.testing.run_multi_process(_train, 2, args=(1, "short"), timeout=110)
+    last_x, last_y = global_batch(2)
+    start, stop = chunk_bounds(len(last_x), 2, 0)
+    expected = reference([global_batch(0), global_batch(1),
+                          (last_x[start:stop], last_y[start:stop])])
+    for result in results:
+        assert result["error"] == ""
+        assert result["counted"] == 1
+        _assert_close(result["state"], expected)
+
+
+@pytest.mark.timeout(120)
+def test_workers_whose_batches_differ_raise_before_the_step():
+    # Each worker takes the count from its own source's batch: 5 rows on worker 0, 7 on
+    # worker 1 at the last step. The optimizer's step compares the divisors and refuses.
+    results = mirrored.testing.run_multi_process(_train, 2, args=(1, "other sizes"),
+                                                 timeout=110)
+    expected = reference([global_batch(0), global_batch(1)])
+    for result in results:
+        assert result["error"].startswith("ValueError: MirroredOptimizer.step"), result["error"]
+        assert "replica 0: 5, replica 1: 7" in result["error"]
+        assert "the workers' sources yielded batches of different sizes" in result["error"]
+        assert result["counted"] == 0
+        _assert_close(result["state"], expected)  # the last step was not applied

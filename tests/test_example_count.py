@@ -45,12 +45,12 @@ def reference(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, tor
     return model.state_dict()
 
 
-def _train(local: int, source: str, loss_kind: str = "rows") -> dict:
+def _train(local: int, source: str, loss_kind: str = "rows", checked: bool = True) -> dict:
     """The README's loop on this worker; returns its parameters, how many count
     collectives ``compute_average_loss`` made, and the error it raised (if any)."""
     strategy = mirrored.MultiWorkerMirroredStrategy(
         communication_options=CommunicationOptions(timeout_seconds=20),
-        devices=[f"CPU:{i}" for i in range(local)])
+        devices=[f"CPU:{i}" for i in range(local)], check_collectives=checked)
     worker = strategy.cluster_resolver.worker_index
     counted = [0]
     original = all_reduce.sum_examples
@@ -68,6 +68,9 @@ def _train(local: int, source: str, loss_kind: str = "rows") -> dict:
         if loss_kind == "tokens":  # two rows per example (every replica: the count is taken)
             loss = torch.cat([loss, loss])
         elif loss_kind == "mixed" and worker == 1:  # one worker's loss drops a row
+            loss = loss[1:]
+        elif loss_kind == "mixed locally" and (  # the last replica of each worker's does
+                mirrored.get_replica_context().replica_id_in_sync_group % local == local - 1):
             loss = loss[1:]
         mirrored.compute_average_loss(loss).backward()
         opt.step()
@@ -165,13 +168,102 @@ def test_a_worker_on_empty_batches_makes_every_worker_count():
 @pytest.mark.timeout(120)
 def test_workers_whose_batches_differ_raise_before_the_step():
     # Each worker takes the count from its own source's batch: 5 rows on worker 0, 7 on
-    # worker 1 at the last step. The optimizer's step compares the divisors and refuses.
+    # worker 1 at the last step. The counts taken ride in every call's identity, so the
+    # step's gradient all-reduce refuses, no data of it used.
     results = mirrored.testing.run_multi_process(_train, 2, args=(1, "other sizes"),
                                                  timeout=110)
     expected = reference([global_batch(0), global_batch(1)])
     for result in results:
-        assert result["error"].startswith("ValueError: MirroredOptimizer.step"), result["error"]
-        assert "replica 0: 5, replica 1: 7" in result["error"]
-        assert "the workers' sources yielded batches of different sizes" in result["error"]
+        assert result["error"].startswith("CollectiveMismatchError"), result["error"]
+        assert "MirroredOptimizer.step(SUM of" in result["error"]
+        assert "batches of experimental_distribute_dataset of different sizes" in result["error"]
         assert result["counted"] == 0
         _assert_close(result["state"], expected)  # the last step was not applied
+
+
+@pytest.mark.timeout(120)
+def test_replicas_of_one_worker_counting_alone_raise_naming_the_rows():
+    # Replica 1 of each worker drops a row, replica 0 does not: the worker's replicas
+    # make different calls, caught at their rendezvous, and the message says why.
+    results = mirrored.testing.run_multi_process(_train, 2, args=(2, "list", "mixed locally"),
+                                                 timeout=110)
+    before = {k: v.tolist() for k, v in model_fn().state_dict().items()}
+    for result in results:
+        assert result["error"], result
+        assert result["state"] == before
+    assert any("per-example loss has 1 rows, its batch from experimental_distribute_dataset 2"
+               in result["error"] for result in results), [r["error"] for r in results]
+
+
+@pytest.mark.timeout(120)
+def test_unchecked_collectives_always_count():
+    # check_collectives=False could not catch a replica counting alone: no batch carries
+    # its count, and training is exact.
+    results = mirrored.testing.run_multi_process(_train, 2, args=(1, "list", "rows", False),
+                                                 timeout=110)
+    expected = reference([global_batch(step) for step in range(len(SIZES))])
+    for result in results:
+        assert result["error"] == ""
+        assert result["counted"] == len(SIZES)
+        _assert_close(result["state"], expected)
+
+
+def _evaluate(kind: str) -> dict:
+    """Evaluation (no optimizer): each step's average loss, summed over the replicas."""
+    strategy = mirrored.MultiWorkerMirroredStrategy(
+        communication_options=CommunicationOptions(timeout_seconds=20), devices=["CPU:0"])
+    worker = strategy.cluster_resolver.worker_index
+
+    def loss_of(x: torch.Tensor) -> torch.Tensor:
+        if len(x) == 0:  # (a replica with nothing to evaluate skips its loss)
+            return torch.zeros((), dtype=x.dtype)
+        return mirrored.compute_average_loss(x.sum(dim=1))
+
+    batches = [torch.ones(4, 2, dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64)]
+    if kind == "other sizes" and worker == 1:  # worker 1's last batch has 3 rows
+        batches[-1] = torch.ones(3, 2, dtype=torch.float64)
+    sums, error = [], ""
+    try:
+        for x in strategy.experimental_distribute_dataset(batches):
+            sums.append(strategy.reduce("SUM", strategy.run(loss_of, args=(x,))).item())
+        # A run whose tensors do not come from the dataset counts its examples, whatever
+        # the replicas skipped in earlier runs.
+        sums.append(strategy.reduce("SUM", strategy.run(
+            lambda: mirrored.compute_average_loss(torch.ones(2 + worker)))).item())
+    except Exception as caught:  # (reported to the test)
+        error = f"{type(caught).__name__}: {caught}"
+    finally:
+        strategy.close()
+    return {"sums": sums, "error": error}
+
+
+@pytest.mark.timeout(120)
+def test_evaluation_takes_the_counts_and_a_skipped_loss_does_not_shift_later_counts():
+    # The last batch has 1 row: worker 1's replica has none and skips its loss.
+    for result in mirrored.testing.run_multi_process(_evaluate, 2, args=("same",), timeout=110):
+        assert result == {"sums": [2.0, 2.0, 1.0], "error": ""}
+
+
+@pytest.mark.timeout(120)
+def test_evaluation_on_batches_of_different_sizes_raises_at_the_next_collective():
+    # Worker 0 divides its last step's losses by 1, worker 1 by 3 (their own batches'
+    # rows): no optimizer compares them, but the reduce that combines them refuses.
+    results = mirrored.testing.run_multi_process(_evaluate, 2, args=("other sizes",),
+                                                 timeout=110)
+    for result in results:
+        assert result["sums"] == [2.0], result
+        assert result["error"].startswith("CollectiveMismatchError"), result["error"]
+        assert "batches of experimental_distribute_dataset of different sizes" in result["error"]
+
+
+def test_one_process_counts_after_a_replica_skipped_its_loss():
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+
+    def first(x: torch.Tensor) -> torch.Tensor:
+        if len(x) == 0:
+            return torch.zeros(())
+        return mirrored.compute_average_loss(x, global_batch_size=3)
+
+    strategy.run(first, args=(mirrored.PerReplica([torch.ones(3), torch.ones(0)]),))
+    result = strategy.run(lambda: mirrored.compute_average_loss(torch.ones(1)))
+    assert [t.item() for t in strategy.experimental_local_results(result)] == [0.5, 0.5]

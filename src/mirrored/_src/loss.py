@@ -97,6 +97,7 @@ def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = 
     rows = loss.shape[0]
     parts = replica._parts
     index = replica._index
+    parts.count_calls[index] += 1
     examples: StepExamples | None = parts.step_examples[0] if in_run else None
     if examples is not None:
         if rows == examples.sizes[index]:

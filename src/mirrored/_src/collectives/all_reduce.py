@@ -15,7 +15,7 @@ import torch
 from .. import pytree
 from ..comm.cross_device_ops import sums_directly
 from ..comm.host import DIRECT_BYTES, combine_each
-from ..comm.watch import COUNT
+from ..comm.watch import COUNT, DESPITE
 from ..options import CommunicationOptions
 from ..reduce_op import ReduceOp
 from ..reduction import (
@@ -223,25 +223,28 @@ def all_reduce(parts: Parts, index: int, reduce_op: ReduceOp | str, value: Any,
     return pytree.unflatten(spec, outputs)
 
 
-def sum_examples(parts: Parts, index: int, count: int, site: str) -> int:
+def sum_examples(parts: Parts, index: int, count: int, site: str, note: str = "") -> int:
     """The number of examples in this step over every replica (``count`` is local
     replica ``index``'s): plain ints in one process, one checked call across workers
     (``Communicator.sum_counts``: the count in the header row), with none of a tensor
     all-reduce's planning, packing and result copies. Used by
-    ``compute_average_loss``, whose calls in a run are numbered in the call (a replica
-    that counts while its peers took their counts from the batches cannot meet a
-    later count of theirs)."""
+    ``compute_average_loss``. Across workers the call names which of the run's
+    ``compute_average_loss`` calls it is, and whether its batch carried its count
+    (``note``: why it counts anyway), so that a replica counting while its peers took
+    their batches' counts meets no count of theirs and the error says why."""
     title = "compute_average_loss"
     refuse_in_merge_fn(parts, title, site)
     options = parts.options
-    what = f"{COUNT} (compute_average_loss call {parts.loss_calls[index]})"
+    what = COUNT if parts.topology.num_workers == 1 else (
+        f"{COUNT} (compute_average_loss call {parts.count_calls[index]} of the run"
+        + (f"; {DESPITE})" if note else ")"))
 
     def combine(payloads: Sequence[int]) -> list[int]:
         total = parts.communicators.for_options(options).sum_counts(
             [[c] for c in payloads], what)[0]
         return [total] * len(payloads)
 
-    call = CallSpec(title, site, (title, what))
+    call = CallSpec(f"{title} ({note})" if note else title, site, (title, what))
     result: int = parts.runtime.exchange(index, Arrival(call, count, combine),
                                          options.timeout_seconds)
     return result

@@ -65,6 +65,12 @@ class Cluster:
             caught even when the calls look alike).
         steps: the elastic strategy's step control (quorum, commit vote); ``None``
             for a fixed job.
+        count_examples: whether ``experimental_distribute_dataset`` tags its steps'
+            batches with their example counts (a fixed job whose calls are checked).
+        took_examples: called with the global count of each run's tagged batch (folded
+            into the identity of every later call: workers whose batches differ in size,
+            whose ``compute_average_loss`` would divide by different counts, disagree at
+            their next collective).
     """
 
     resolver: Any
@@ -73,6 +79,8 @@ class Cluster:
     leave: Callable[[], None] = lambda: None
     next_phase: Callable[[], None] = lambda: None
     steps: StepControl | None = None
+    count_examples: bool = False
+    took_examples: Callable[[int], None] = lambda total: None
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -90,7 +98,9 @@ class Parts:
     ``copies_checked[0]``: the count of possible changes to a mirrored module's copies
     at which ``run`` last compared this strategy's copies (``training.structure``).
     ``step_examples[0]``: the `StepExamples` of the batch passed to the current ``run``
-    (several workers only; ``None``: none, ``compute_average_loss`` counts).
+    (several workers only; ``None``: none, ``compute_average_loss`` counts);
+    ``count_calls[i]``: local replica ``i``'s ``compute_average_loss`` calls without a
+    size in the current run (several workers: reset when a run starts).
     """
 
     strategy_ref: weakref.ReferenceType[Any]
@@ -104,12 +114,14 @@ class Parts:
     loss_calls: list[int] = dataclasses.field(init=False)
     copies_checked: list[int] = dataclasses.field(init=False)
     step_examples: list[Any] = dataclasses.field(init=False)
+    count_calls: list[int] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "loss_divisors", [0] * self.topology.num_local_replicas)
         object.__setattr__(self, "loss_calls", [0] * self.topology.num_local_replicas)
         object.__setattr__(self, "copies_checked", [0])
         object.__setattr__(self, "step_examples", [None])
+        object.__setattr__(self, "count_calls", [0] * self.topology.num_local_replicas)
 
     @property
     def strategy(self) -> Any:

@@ -161,6 +161,15 @@ class CallLedger:
         self.predicted: Wire | None = None  # this worker's guess for the next call
         self._next: dict[str, Wire] = {}  # call key -> wire sizes of the call after it
         self._last: str | None = None
+        # The global example counts of the batches runs were given (which
+        # compute_average_loss may take), folded into one number that every later call's
+        # identity carries: workers whose batches had other sizes disagree at their next
+        # collective.
+        self.examples = 0
+
+    def took_examples(self, total: int) -> None:
+        """A run was given a batch whose global count is ``total``."""
+        self.examples = (self.examples * 1_000_003 + total + 1) % (1 << 61)
 
     def next_phase(self) -> None:
         """A ``run`` starts or ends."""

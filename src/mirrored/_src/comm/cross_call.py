@@ -80,7 +80,8 @@ class CrossWorkerCalls:
             self._job.note_progress(seq, seq - 1)
             self.watch.fail_if_gone(seq, text)
         check = self._check
-        ident = identity_hash(f"{seq}|{ledger.run}|{index}|{key}") if check else 0
+        ident = identity_hash(
+            f"{seq}|{ledger.run}|{index}|{ledger.examples}|{key}") if check else 0
         predicted = self._wire_hash(prediction) if check and prediction else 0
         agreed, ledger.agreed = ledger.agreed, None
         if not check and wire and wire != GATHER:
@@ -149,7 +150,7 @@ class CrossWorkerCalls:
         inside = self._trailer_length(wire) if self._check else 0
         predicted, expected = 0, b""
         if inside:
-            ident = identity_hash(f"{seq}|{ledger.run}|{index}|{key}")
+            ident = identity_hash(f"{seq}|{ledger.run}|{index}|{ledger.examples}|{key}")
             predicted = self._wire_hash(prediction) if prediction else 0
             expected = trailer.write(data[0], wire[0][0], self._world, (ident, predicted, 0))
         return PendingCall(self._launch(wire, data), data[0], wire[0][0], inside, seq, text,

@@ -13,19 +13,27 @@ from typing import Any, NoReturn
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, WorkerFailureError
 from .call_identity import CallLedger, JobLink
 
-__all__ = ["COUNT", "COUNT_HINT", "SHARE_SECONDS", "CallWatch", "short"]
+__all__ = ["COUNT", "COUNT_HINT", "DESPITE", "EXAMPLES_HINT", "SHARE_SECONDS", "CallWatch",
+           "short"]
 
 # How long a worker that found a mismatch waits for its peers' calls (they find it in
 # the same collective, so they answer at once unless descheduled): error path only.
 SHARE_SECONDS = 5.0
 
 
-# A count of compute_average_loss (`collectives.all_reduce.sum_examples`) met another call.
+# compute_average_loss's count (`collectives.all_reduce.sum_examples`), and the mark of
+# one made although the batch carried its count (the loss had other rows than the batch).
 COUNT = "the step's example count"
+DESPITE = "the loss's rows differ from its batch's"
 COUNT_HINT = ("a worker counted the step's examples for compute_average_loss with a "
               "collective where the others took the count from their batches of "
               "experimental_distribute_dataset: its per-example loss had other rows than "
               "its batch; pass global_batch_size where that can happen on some replicas only")
+EXAMPLES = " [batch counts taken: "
+EXAMPLES_HINT = ("the workers' runs were given batches of experimental_distribute_dataset "
+                 "of different sizes (compute_average_loss would divide by different "
+                 "counts): their sources differ, while every worker must iterate the same "
+                 "global batches (each keeps its replicas' rows)")
 
 
 def short(text: str, limit: int = 160) -> str:
@@ -127,14 +135,20 @@ class CallWatch:
                 "skipped a collective the others made"), cause)
 
     def mismatch(self, seq: int, text: object) -> NoReturn:
-        calls = {self._me: str(text)}
+        mine = str(text)
+        if self._ledger.examples:
+            mine += f"{EXAMPLES}{self._ledger.examples:x}]"
+        calls = {self._me: mine}
         if self._job is not None:  # ask every worker what it called (only on mismatch)
-            calls = self._job.share(f"call-{seq}", str(text), SHARE_SECONDS)
+            calls = self._job.share(f"call-{seq}", mine, SHARE_SECONDS)
             calls = {r: calls.get(r, f"(did not answer within {SHARE_SECONDS:g} s)")
                      for r in range(self._job.world_size)}
         listing = "; ".join(f"worker {r}: {c}" for r, c in sorted(calls.items()))
-        counting = [COUNT in c for c in calls.values()]
-        hint = (f" ({COUNT_HINT})" if any(counting) and not all(counting) else "")
+        despite = [DESPITE in c for c in calls.values()]
+        taken = {c.partition(EXAMPLES)[2] for c in calls.values()
+                 if not c.startswith("(did not answer")}
+        hint = (f" ({COUNT_HINT})" if any(despite) and not all(despite) else
+                f" ({EXAMPLES_HINT})" if len(taken) > 1 else "")
         self.fail(CollectiveMismatchError(
             f"workers made different calls as collective #{seq} (a different call, site, "
             f"op, shape or dtype, or a worker skipped or added a call); no data of it was "

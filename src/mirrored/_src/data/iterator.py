@@ -33,7 +33,7 @@ class WorkerVote:
     ``steps(count)`` gives every worker's count of steps (``-1``: unknown; one
     collective), asked once per pass: when every count is known, no worker votes at
     each step. ``every_worker(has_data)``, if given, is the vote with each worker's
-    answer (`everyone`).
+    answer (`each`).
 
     Example:
         >>> vote = WorkerVote(lambda has_data: has_data, lambda count: [count, 3],

@@ -57,11 +57,16 @@ def run(strategy: Any, parts: Parts, contexts: Sequence[Any], fn: Callable[..., 
     else:
         replica_args = check_run(parts, args, kwargs, idle)
         if not idle and nested_in_merge_fn(parts):
+            parts.step_examples[0] = None  # (the outer run's replicas count from here on)
             return run_in_merge_fn(parts, contexts, fn, replica_args)
     if parts.copies_checked[0] != CHANGES[0]:  # (one copy changed alone?)
         check_copies(strategy, parts.copies_checked)
     if parts.topology.num_workers > 1:
-        parts.step_examples[0] = step_examples(args, kwargs)
+        examples = parts.step_examples[0] = step_examples(args, kwargs)
+        if examples is not None and parts.cluster is not None:  # (later calls carry it)
+            parts.cluster.took_examples(examples.total)
+        if any(counted := parts.count_calls):
+            counted[:] = [0] * len(counted)
     call = context.replica_calls(strategy, contexts, fn, replica_args)
     if any(divisors := parts.loss_divisors):  # (an evaluation's: no all-reduce used them)
         divisors[:] = [0] * len(divisors)
@@ -103,12 +108,12 @@ def step_examples(args: Any, kwargs: Any) -> StepExamples | None:
     """The `StepExamples` of the first batch of a multi-worker distributed dataset among
     ``run``'s arguments (at the top level or one tuple, list or dict down), if any."""
     for arg in (*args, *kwargs.values()) if kwargs else args:
-        kind = type(arg)
-        if kind is PerReplica:
+        if type(arg) is PerReplica:
             found = getattr(arg, "_examples", None)
-        elif kind is tuple or kind is list or kind is dict:
-            found = next((getattr(a, "_examples", None) for a in (
-                arg.values() if kind is dict else arg) if type(a) is PerReplica), None)
+        elif isinstance(arg, tuple | list | dict):  # (namedtuples too)
+            found = next((e for a in (arg.values() if isinstance(arg, dict) else arg)
+                          if type(a) is PerReplica and (e := getattr(a, "_examples", None))
+                          is not None), None)
         else:
             continue
         if found is not None:

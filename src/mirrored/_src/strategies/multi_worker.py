@@ -161,8 +161,10 @@ class MultiWorkerMirroredStrategy(Strategy):
         # (datasets whose every worker's source has a len() agree on their steps once)
         vote = WorkerVote(comm.any, functools.partial(comm.agree, "the dataset's steps"),
                           functools.partial(comm.agree, "whether each worker has data"))
+        # (with unchecked calls a replica counting alone would meet another call unseen)
         cluster = Cluster(resolver=resolver, vote=vote, sync=comm.broadcast_from_chief,
-                          leave=job.close, next_phase=ledger.next_phase)
+                          leave=job.close, next_phase=ledger.next_phase,
+                          count_examples=check_collectives, took_examples=ledger.took_examples)
         runtime = ThreadRuntime(topology, type(self).__name__,
                                 timeout_seconds=options.timeout_seconds)
         super().__init__(topology=topology, runtime=runtime, communicators=selector,

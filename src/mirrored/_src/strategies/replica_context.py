@@ -132,7 +132,8 @@ class ReplicaContext:
         ``note``: why a replica whose batch carried its count counts anyway)."""
         self._check_current("compute_average_loss")
         try:
-            return all_reduce.sum_examples(self._parts, self._index, count, call_site(1))
+            return all_reduce.sum_examples(self._parts, self._index, count, call_site(1),
+                                           note)
         except (CollectiveMismatchError, CollectiveTimeoutError) as error:
             if not note:
                 raise

@@ -216,10 +216,10 @@ class Strategy:
         """
         self._require_cross_replica("experimental_distribute_dataset")
         dataset, options = distribute.steps_input(self._parts, dataset, options, "dataset")
-        parts = self._parts  # (a fixed multi-worker job: the steps carry their counts)
+        parts = self._parts  # (a fixed, checked multi-worker job: steps carry their counts)
         return DistributedDataset(dataset, parts.topology, options,
                                   any_worker=distribute.vote(parts), count_examples=(
-                                      parts.cluster is not None and parts.cluster.steps is None))
+                                      parts.cluster is not None and parts.cluster.count_examples))
 
     def distribute_datasets_from_function(
             self, dataset_fn: Callable[[InputContext], Iterable[Any]],

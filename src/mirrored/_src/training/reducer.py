@@ -377,11 +377,7 @@ def _same_divisors(slots: list[float]) -> None:
         "that one device computes; no replica applied the step. Pass the size of the whole "
         "global batch, the same on every replica (a per-replica formula such as len(x) * "
         "num_replicas_in_sync is wrong on an uneven batch), or leave global_batch_size="
-        "None to count each step's examples exactly. (Without global_batch_size, a batch of "
-        "a multi-worker experimental_distribute_dataset gives its global batch's rows: "
-        "different values mean the workers' sources yielded batches of different sizes at "
-        "this step, while every worker must iterate the same global batches, each keeping "
-        "its replicas' rows)")
+        "None to count each step's examples exactly")
 
 
 class _Finished:

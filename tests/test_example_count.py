@@ -67,11 +67,12 @@ def _train(local: int, source: str, loss_kind: str = "rows", checked: bool = Tru
         loss = nn.functional.cross_entropy(model(x), y, reduction="none")
         if loss_kind == "tokens":  # two rows per example (every replica: the count is taken)
             loss = torch.cat([loss, loss])
-        elif loss_kind == "mixed" and worker == 1:  # one worker's loss drops a row
-            loss = loss[1:]
-        elif loss_kind == "mixed locally" and (  # the last replica of each worker's does
-                mirrored.get_replica_context().replica_id_in_sync_group % local == local - 1):
-            loss = loss[1:]
+        else:  # "mixed": one worker's loss drops a row; "mixed locally": each worker's
+            # last replica's does
+            replica = mirrored.get_replica_context().replica_id_in_sync_group
+            if (loss_kind, worker) == ("mixed", 1) or (
+                    loss_kind == "mixed locally" and replica % local == local - 1):
+                loss = loss[1:]
         mirrored.compute_average_loss(loss).backward()
         opt.step()
         opt.zero_grad()

@@ -109,24 +109,29 @@ def _assert_close(actual: dict[str, list], expected: dict[str, torch.Tensor]) ->
 def test_the_readme_loop_takes_the_count_from_the_batches(local, source):
     # A list has a len() (the workers agree on their steps once), a generator has none
     # (they vote at each step, and the vote tells whether every worker has a batch).
+    # A step where some replica gets no rows counts (an empty loss matches any kind of
+    # loss): the last batch of 5 rows on 4 replicas (2 + 2 + 1 + 0); on 2 (3 + 2) not.
     results = mirrored.testing.run_multi_process(_train, 2, args=(local, source), timeout=110)
     expected = reference([global_batch(step) for step in range(len(SIZES))])
     for result in results:
         assert result["error"] == ""
-        assert result["counted"] == 0  # no collective for the count, the partial batch too
+        assert result["counted"] == (0 if local == 1 else local)
         _assert_close(result["state"], expected)
 
 
 @pytest.mark.timeout(120)
-def test_losses_with_other_rows_than_their_batch_are_counted_exactly():
+@pytest.mark.parametrize("local", [1, 2])
+def test_losses_with_other_rows_than_their_batch_are_counted_exactly(local):
     # Every replica's loss has two rows per example: each counts, as without a dataset,
-    # and the mean over the rows is the mean over the examples.
-    results = mirrored.testing.run_multi_process(_train, 2, args=(1, "list", "tokens"),
+    # and the mean over the rows is the mean over the examples. (With 2 local replicas
+    # the last batch leaves one replica without rows, whose empty loss would match its
+    # batch: that step carries no count.)
+    results = mirrored.testing.run_multi_process(_train, 2, args=(local, "list", "tokens"),
                                                  timeout=110)
     expected = reference([global_batch(step) for step in range(len(SIZES))])
     for result in results:
         assert result["error"] == ""
-        assert result["counted"] == len(SIZES)
+        assert result["counted"] == len(SIZES) * local
         _assert_close(result["state"], expected)
 
 
@@ -216,19 +221,21 @@ def _evaluate(kind: str) -> dict:
     worker = strategy.cluster_resolver.worker_index
 
     def loss_of(x: torch.Tensor) -> torch.Tensor:
-        if len(x) == 0:  # (a replica with nothing to evaluate skips its loss)
-            return torch.zeros((), dtype=x.dtype)
+        if worker == 0 and len(x) == 2:  # an extra loss on one worker only: no collective
+            mirrored.compute_average_loss(x.sum(dim=1))
         return mirrored.compute_average_loss(x.sum(dim=1))
 
+    # The last batch has 1 row: worker 1's replica gets none, so that step carries no
+    # count and both replicas count (worker 1's empty loss adds 0 to the sum).
     batches = [torch.ones(4, 2, dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64)]
-    if kind == "other sizes" and worker == 1:  # worker 1's last batch has 3 rows
-        batches[-1] = torch.ones(3, 2, dtype=torch.float64)
+    if kind == "other sizes" and worker == 1:  # worker 1's first batch has 6 rows
+        batches[0] = torch.ones(6, 2, dtype=torch.float64)
     sums, error = [], ""
     try:
         for x in strategy.experimental_distribute_dataset(batches):
             sums.append(strategy.reduce("SUM", strategy.run(loss_of, args=(x,))).item())
-        # A run whose tensors do not come from the dataset counts its examples, whatever
-        # the replicas skipped in earlier runs.
+        # A run whose tensors do not come from the dataset counts its examples: the extra
+        # call on worker 0 in an earlier run does not shift the calls' numbers.
         sums.append(strategy.reduce("SUM", strategy.run(
             lambda: mirrored.compute_average_loss(torch.ones(2 + worker)))).item())
     except Exception as caught:  # (reported to the test)
@@ -239,20 +246,19 @@ def _evaluate(kind: str) -> dict:
 
 
 @pytest.mark.timeout(120)
-def test_evaluation_takes_the_counts_and_a_skipped_loss_does_not_shift_later_counts():
-    # The last batch has 1 row: worker 1's replica has none and skips its loss.
+def test_evaluation_takes_the_counts_and_an_extra_loss_does_not_shift_later_counts():
     for result in mirrored.testing.run_multi_process(_evaluate, 2, args=("same",), timeout=110):
         assert result == {"sums": [2.0, 2.0, 1.0], "error": ""}
 
 
 @pytest.mark.timeout(120)
 def test_evaluation_on_batches_of_different_sizes_raises_at_the_next_collective():
-    # Worker 0 divides its last step's losses by 1, worker 1 by 3 (their own batches'
+    # Worker 0 divides its first step's losses by 4, worker 1 by 6 (their own batches'
     # rows): no optimizer compares them, but the reduce that combines them refuses.
     results = mirrored.testing.run_multi_process(_evaluate, 2, args=("other sizes",),
                                                  timeout=110)
     for result in results:
-        assert result["sums"] == [2.0], result
+        assert result["sums"] == [], result
         assert result["error"].startswith("CollectiveMismatchError"), result["error"]
         assert "batches of experimental_distribute_dataset of different sizes" in result["error"]
 

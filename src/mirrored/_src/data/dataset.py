@@ -112,8 +112,11 @@ def _global_batch_steps(source: Iterable[Any], topology: Topology,
                 continue
             what = f"batch {index} of the dataset"
             leaves, spec, batch_size = flatten_batch(batch, what)
+            # (no tag where some replica gets no rows: its empty loss would match any
+            # kind of loss, so every replica counts; the tag depends on the size only)
             examples = StepExamples(batch_size, tuple(
-                b - a for a, b in (chunk_bounds(batch_size, n, i) for i in ids))) if tag else None
+                b - a for a, b in (chunk_bounds(batch_size, n, i) for i in ids))) if tag and (
+                (n - 1) * -(-batch_size // n) < batch_size) else None
             yield _pack(spec, split_leaves(leaves, batch_size, n, ids), topology, devices,
                         examples)
     finally:

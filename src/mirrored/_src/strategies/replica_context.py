@@ -12,7 +12,7 @@ from ..collectives import all_gather, all_reduce, merge_call
 from ..collectives.call import call_site
 from ..collectives.one_tensor import OneTensor
 from ..collectives.parts import Parts
-from ..errors import CollectiveMismatchError, CollectiveTimeoutError
+from ..errors import CollectiveMismatchError
 from ..options import CommunicationOptions
 from ..reduce_op import ReduceOp
 
@@ -134,10 +134,10 @@ class ReplicaContext:
         try:
             return all_reduce.sum_examples(self._parts, self._index, count, call_site(1),
                                            note)
-        except (CollectiveMismatchError, CollectiveTimeoutError) as error:
+        except CollectiveMismatchError as error:
             if not note:
                 raise
-            raise type(error)(
+            raise CollectiveMismatchError(
                 f"{error}. compute_average_loss counted the step's examples with a collective "
                 f"on this replica because {note}; replicas whose per-example loss has their "
                 "batch's rows take the count from the batches, without one. When the rows "

@@ -103,6 +103,15 @@ def _assert_close(actual: dict[str, list], expected: dict[str, torch.Tensor]) ->
                                    rtol=0, atol=1e-12, msg=key)
 
 
+def _assert_trained(results: list[dict], counted: int) -> None:
+    """Every worker trained as one device on the global batches, without an error,
+    with ``counted`` count collectives."""
+    expected = reference([global_batch(step) for step in range(len(SIZES))])
+    for result in results:
+        assert (result["error"], result["counted"]) == ("", counted)
+        _assert_close(result["state"], expected)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("local", [1, 2])
 @pytest.mark.parametrize("source", ["list", "generator"])
@@ -112,11 +121,7 @@ def test_the_readme_loop_takes_the_count_from_the_batches(local, source):
     # A step where some replica gets no rows counts (an empty loss matches any kind of
     # loss): the last batch of 5 rows on 4 replicas (2 + 2 + 1 + 0); on 2 (3 + 2) not.
     results = mirrored.testing.run_multi_process(_train, 2, args=(local, source), timeout=110)
-    expected = reference([global_batch(step) for step in range(len(SIZES))])
-    for result in results:
-        assert result["error"] == ""
-        assert result["counted"] == (0 if local == 1 else local)
-        _assert_close(result["state"], expected)
+    _assert_trained(results, 0 if local == 1 else local)
 
 
 @pytest.mark.timeout(120)
@@ -128,11 +133,7 @@ def test_losses_with_other_rows_than_their_batch_are_counted_exactly(local):
     # batch: that step carries no count.)
     results = mirrored.testing.run_multi_process(_train, 2, args=(local, "list", "tokens"),
                                                  timeout=110)
-    expected = reference([global_batch(step) for step in range(len(SIZES))])
-    for result in results:
-        assert result["error"] == ""
-        assert result["counted"] == len(SIZES) * local
-        _assert_close(result["state"], expected)
+    _assert_trained(results, len(SIZES) * local)
 
 
 @pytest.mark.timeout(120)
@@ -207,11 +208,7 @@ def test_unchecked_collectives_always_count():
     # its count, and training is exact.
     results = mirrored.testing.run_multi_process(_train, 2, args=(1, "list", "rows", False),
                                                  timeout=110)
-    expected = reference([global_batch(step) for step in range(len(SIZES))])
-    for result in results:
-        assert result["error"] == ""
-        assert result["counted"] == len(SIZES)
-        _assert_close(result["state"], expected)
+    _assert_trained(results, len(SIZES))
 
 
 def _evaluate(kind: str) -> dict:

@@ -32,6 +32,16 @@ def _net() -> nn.Sequential:
 X = torch.randn(12, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
 
 
+def _mirrored_net() -> tuple[mirrored.MirroredStrategy, nn.Module, mirrored.MirroredModule,
+                             torch.optim.Optimizer]:
+    """Two replicas of `_net` (the module given to ``mirror`` too) and their SGD."""
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    net = _net()
+    model = strategy.mirror(net)
+    return strategy, net, model, strategy.mirror_optimizer(
+        model, lambda p: torch.optim.SGD(p, lr=0.1))
+
+
 def _steps(strategy: mirrored.MirroredStrategy, model: nn.Module,
            opt: torch.optim.Optimizer, batches: list[torch.Tensor]) -> None:
     def step(x: torch.Tensor) -> None:
@@ -61,6 +71,16 @@ def _assert_copies_equal(model: mirrored.MirroredModule, reference: nn.Module) -
             assert p.requires_grad == q.requires_grad, name
 
 
+def _assert_trains_alike(strategy: mirrored.MirroredStrategy, model: mirrored.MirroredModule,
+                         opt: torch.optim.Optimizer, reference: nn.Module,
+                         ref_opt: torch.optim.Optimizer, batches: list[torch.Tensor]) -> None:
+    """``batches`` through the mirrored model and through ``reference`` on one device:
+    every copy ends equal to the reference, its requires_grad flags too."""
+    _steps(strategy, model, opt, batches)
+    _reference_steps(reference, ref_opt, batches)
+    _assert_copies_equal(model, reference)
+
+
 FREEZE: dict[str, Callable[[mirrored.MirroredModule, bool], None]] = {
     "submodule.requires_grad_": lambda m, flag: m[0].requires_grad_(flag),
     "for p in submodule.parameters()": lambda m, flag: [
@@ -85,14 +105,10 @@ def test_a_part_frozen_outside_run_stays_frozen_on_every_copy_and_thaws_alike(ho
     reference[0].requires_grad_(False)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     batches = list(X.split(4))
-    _steps(strategy, model, opt, batches)
-    _reference_steps(reference, ref_opt, batches)
-    _assert_copies_equal(model, reference)
+    _assert_trains_alike(strategy, model, opt, reference, ref_opt, batches)
     FREEZE[how](model, True)  # thawed: trained from the next run on
     reference[0].requires_grad_(True)
-    _steps(strategy, model, opt, batches)
-    _reference_steps(reference, ref_opt, batches)
-    _assert_copies_equal(model, reference)
+    _assert_trains_alike(strategy, model, opt, reference, ref_opt, batches)
     assert not torch.equal(model.replicas[0][0].weight, _net()[0].weight)
 
 
@@ -106,16 +122,11 @@ def test_an_optimizer_over_the_parameters_left_trainable_builds_alike_on_every_c
     reference = _net()
     reference[0].requires_grad_(False)
     ref_opt = torch.optim.Adam([q for q in reference.parameters() if q.requires_grad], lr=0.01)
-    _steps(strategy, model, opt, list(X.split(6)))
-    _reference_steps(reference, ref_opt, list(X.split(6)))
-    _assert_copies_equal(model, reference)
+    _assert_trains_alike(strategy, model, opt, reference, ref_opt, list(X.split(6)))
 
 
 def test_requires_grad_changed_through_the_module_given_to_mirror_raises_at_the_step():
-    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
-    net = _net()
-    model = strategy.mirror(net)
-    opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+    strategy, net, model, opt = _mirrored_net()
     _steps(strategy, model, opt, [X[:4]])  # (the copies checked at this run)
     before = [[p.clone() for p in c.parameters()] for c in model.replicas]
     strategy.run(lambda: None)  # (the copies checked again: `replicas` was read)
@@ -152,10 +163,7 @@ LAYOUTS: dict[str, tuple[Callable[[mirrored.MirroredModule, nn.Module], None], s
 
 @pytest.mark.parametrize("change", list(LAYOUTS))
 def test_a_change_of_layout_on_replica_0s_copy_alone_raises_at_the_next_run(change):
-    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
-    net = _net()
-    model = strategy.mirror(net)
-    opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+    strategy, net, model, opt = _mirrored_net()
     _steps(strategy, model, opt, [X[:4]])
     make, message = LAYOUTS[change]
     make(model, net)
@@ -193,9 +201,7 @@ def test_changes_made_on_the_mirrored_model_or_on_every_copy_train_as_one_device
     reference.head = copy.deepcopy(head)
     reference[1] = nn.Sigmoid()
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    _steps(strategy, model, opt, list(X.split(4)))
-    _reference_steps(reference, ref_opt, list(X.split(4)))
-    _assert_copies_equal(model, reference)
+    _assert_trains_alike(strategy, model, opt, reference, ref_opt, list(X.split(4)))
     # the parameters added on the mirrored model are the copies' too: a plain optimizer
     # over them is refused like one over the others
     with pytest.raises(RuntimeError, match=r"copy 0's 'head\.weight'"):
@@ -253,9 +259,7 @@ def test_lazy_modules_initialized_inside_run_start_from_replica_0s_values(via_ru
                for p, q in zip(first.parameters(), c.parameters(), strict=True))
     reference = copy.deepcopy(first)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    _steps(strategy, model, opt, list(X.split(4)))
-    _reference_steps(reference, ref_opt, list(X.split(4)))
-    _assert_copies_equal(model, reference)
+    _assert_trains_alike(strategy, model, opt, reference, ref_opt, list(X.split(4)))
 
 
 def test_a_lazy_module_initialized_outside_run_is_refused_naming_the_fix():
@@ -308,10 +312,7 @@ def test_assign_loading_keeps_a_tied_weight_tied_on_every_copy():
 
 def test_an_old_reference_freeze_with_zeroed_gradients_is_refused_at_the_step():
     # zero_grad(set_to_none=False): the frozen copy sends zeros, not a missing gradient
-    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
-    net = _net()
-    model = strategy.mirror(net)
-    opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+    strategy, net, model, opt = _mirrored_net()
 
     def step(x: torch.Tensor) -> None:
         mirrored.compute_average_loss((model(x) ** 2).sum(1)).backward()
@@ -397,16 +398,11 @@ def test_a_models_own_freezing_method_called_outside_run_freezes_every_copy():
     reference = _Parts()
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     reference.freeze_first()
-    _steps(strategy, model, opt, list(X.split(4)))
-    _reference_steps(reference, ref_opt, list(X.split(4)))
-    _assert_copies_equal(model, reference)
+    _assert_trains_alike(strategy, model, opt, reference, ref_opt, list(X.split(4)))
 
 
 def test_frozen_sets_that_differ_but_count_alike_are_refused():
-    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
-    net = _net()
-    model = strategy.mirror(net)
-    opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+    strategy, net, model, opt = _mirrored_net()
     copies = model.replicas
     _steps(strategy, model, opt, [X[:4]])
     mine, theirs = list(net.parameters()), list(copies[1].parameters())

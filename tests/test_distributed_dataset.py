@@ -603,3 +603,26 @@ def test_input_options() -> None:
         InputOptions(False)  # type: ignore[misc]  # keyword-only
     with pytest.raises(dataclasses.FrozenInstanceError):
         default.experimental_prefetch_depth = 0  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("where", ["sampler", "batch_sampler"])
+def test_a_loader_sharded_by_a_distributed_sampler_is_refused(where):
+    # DDP's habit: each process its own shard. Split as global batches, each worker would
+    # keep its replicas' rows of its own shard's batches: a fraction of the data.
+    data = torch.utils.data.TensorDataset(torch.arange(12.0))
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=2, rank=1, shuffle=False)
+    loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler) if (
+        where == "sampler") else torch.utils.data.DataLoader(
+        data, batch_sampler=torch.utils.data.BatchSampler(sampler, 4, drop_last=False))
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    with pytest.raises(ValueError, match=r"got a DataLoader whose sampler is a "
+                       r"DistributedSampler\(num_replicas=2, rank=1\).*keep 1/2 of the rows.*"
+                       r"distribute_datasets_from_function"):
+        strategy.experimental_distribute_dataset(loader)
+    # One process's sampler (num_replicas=1) shards nothing: the whole data, as global
+    # batches split over the replicas.
+    whole = torch.utils.data.DataLoader(data, batch_size=4, sampler=(
+        torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, shuffle=False)))
+    steps = [torch.cat(b[0].values).tolist()
+             for b in strategy.experimental_distribute_dataset(whole)]
+    assert steps == [[0.0, 1, 2, 3], [4.0, 5, 6, 7], [8.0, 9, 10, 11]]

@@ -148,8 +148,12 @@ def test_some_replicas_counting_raise_instead_of_dividing_wrong(local):
     for result in results:
         assert result["error"].startswith("CollectiveMismatchError"), result["error"]
         assert "pass global_batch_size" in result["error"]
+        assert "batch counts taken" not in result["error"]  # (the same on every worker)
         assert result["state"] == before
+    # One explanation each: the hint for the workers that did not count, the rows for
+    # the one that did.
     assert "where the others took the count from their batches" in results[0]["error"]
+    assert "where the others took the count" not in results[1]["error"]
     rows = 4 // local  # (worker 1's replicas: rows 4-7 of the first batch)
     assert (f"this replica's per-example loss has {rows - 1} rows, its batch from "
             f"experimental_distribute_dataset {rows}") in results[1]["error"]

@@ -143,11 +143,13 @@ class CallWatch:
             calls = self._job.share(f"call-{seq}", mine, SHARE_SECONDS)
             calls = {r: calls.get(r, f"(did not answer within {SHARE_SECONDS:g} s)")
                      for r in range(self._job.world_size)}
-        listing = "; ".join(f"worker {r}: {c}" for r, c in sorted(calls.items()))
-        despite = [DESPITE in c for c in calls.values()]
         taken = {c.partition(EXAMPLES)[2] for c in calls.values()
                  if not c.startswith("(did not answer")}
-        hint = (f" ({COUNT_HINT})" if any(despite) and not all(despite) else
+        listing = "; ".join(f"worker {r}: {c if len(taken) > 1 else c.partition(EXAMPLES)[0]}"
+                            for r, c in sorted(calls.items()))
+        # (the counting worker's own error says why it counted: `ReplicaContext._sum_examples`)
+        counted = DESPITE not in mine and any(DESPITE in c for c in calls.values())
+        hint = (f" ({COUNT_HINT})" if counted else
                 f" ({EXAMPLES_HINT})" if len(taken) > 1 else "")
         self.fail(CollectiveMismatchError(
             f"workers made different calls as collective #{seq} (a different call, site, "

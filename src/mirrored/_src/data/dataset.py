@@ -116,7 +116,8 @@ def _global_batch_steps(source: Iterable[Any], topology: Topology,
             # kind of loss, so every replica counts; the tag depends on the size only)
             examples = StepExamples(batch_size, tuple(
                 b - a for a, b in (chunk_bounds(batch_size, n, i) for i in ids))) if tag and (
-                (n - 1) * -(-batch_size // n) < batch_size) else None
+                chunk_bounds(batch_size, n, n - 1)[0] < batch_size) else None  # (the last
+            # replica's chunk is the smallest)
             yield _pack(spec, split_leaves(leaves, batch_size, n, ids), topology, devices,
                         examples)
     finally:

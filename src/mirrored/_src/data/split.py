@@ -17,8 +17,8 @@ import torch
 from .. import pytree
 from ..values import to_tensor
 
-__all__ = ["chunk_bounds", "empty_like", "flatten_batch", "flatten_element", "split_batch",
-           "split_leaves"]
+__all__ = ["chunk_bounds", "empty_like", "flatten_batch", "flatten_element",
+           "refuse_sharded_source", "split_batch", "split_leaves"]
 
 
 def chunk_bounds(batch_size: int, num_replicas_in_sync: int, replica_id: int) -> tuple[int, int]:
@@ -31,6 +31,31 @@ def chunk_bounds(batch_size: int, num_replicas_in_sync: int, replica_id: int) ->
     chunk = -(-batch_size // num_replicas_in_sync)
     start = min(replica_id * chunk, batch_size)
     return start, min(start + chunk, batch_size)
+
+
+def refuse_sharded_source(source: Any) -> None:
+    """Refuses a ``DataLoader`` whose sampler shards the data by process (torch's
+    ``DistributedSampler``, DDP's habit) as the source of global batches: each worker
+    would split its own shard's batches and keep its replicas' rows, training on a
+    fraction of the data that no error would show.
+
+    Raises:
+        ValueError: naming the sampler and what to do instead.
+    """
+    if not isinstance(source, torch.utils.data.DataLoader):
+        return
+    for sampler in (source.sampler, getattr(source.batch_sampler, "sampler", None)):
+        if isinstance(sampler, torch.utils.data.DistributedSampler) and sampler.num_replicas > 1:
+            n = sampler.num_replicas
+            raise ValueError(
+                "experimental_distribute_dataset expects global batches, the same on every "
+                "worker (each keeps its replicas' rows of each); got a DataLoader whose "
+                f"sampler is a DistributedSampler(num_replicas={n}, rank={sampler.rank}), "
+                f"which gives each process its own shard: each worker would keep 1/{n} of "
+                "the rows of its own shard's batches. Drop the sampler (a loader over the "
+                "whole dataset, shuffled with the same seed on every worker), or keep "
+                "per-worker shards with strategy.distribute_datasets_from_function("
+                "lambda ctx: loader), whose elements are per-replica batches")
 
 
 def flatten_batch(batch: Any, what: str = "a batch") -> tuple[list[torch.Tensor], Any, int]:

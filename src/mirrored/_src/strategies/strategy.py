@@ -18,6 +18,7 @@ from ..collectives import cross_replica
 from ..collectives.parts import Cluster, Parts
 from ..comm.selection import CommunicatorSelector
 from ..data import DistributedDataset, DistributedDatasetsFromFunction, InputContext, InputOptions
+from ..data.split import refuse_sharded_source
 from ..options import CommunicationOptions
 from ..reduce_op import ReduceOp
 from ..runtime.runtime import Runtime
@@ -215,6 +216,7 @@ class Strategy:
             [PerReplica:{0: tensor([0, 1]), 1: tensor([2])}]
         """
         self._require_cross_replica("experimental_distribute_dataset")
+        refuse_sharded_source(dataset)  # (DDP's DistributedSampler: a shard per process)
         dataset, options = distribute.steps_input(self._parts, dataset, options, "dataset")
         parts = self._parts  # (a fixed, checked multi-worker job: steps carry their counts)
         return DistributedDataset(dataset, parts.topology, options,

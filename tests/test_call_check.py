@@ -73,6 +73,27 @@ def test_the_ledger_counts_runs_and_predicts_the_next_call():
     assert identity_hash("x") != identity_hash("y") and identity_hash("x") > 0
 
 
+def test_a_pass_end_predicts_no_successor_and_keeps_the_loops_prediction():
+    ledger = CallLedger()
+    grads = (("sum", "torch.float32", 33),)
+
+    def step() -> tuple[int, object]:  # a run making one call
+        ledger.next_phase()
+        entered = ledger.enter("grads", grads)
+        ledger.next_phase()
+        return entered
+
+    for passes in range(2):
+        assert ledger.enter("agree", ())[1] == (grads if passes else None)
+        step()
+        assert step()[1] == grads  # a loop's call is followed by itself
+        ledger.pass_ends()  # the next run takes the pass's last step
+        assert step()[1] is None  # its call predicts nothing
+    # What followed the pass's last call (the agreement) was not learned as its successor.
+    assert ledger.enter("agree", ())[1] == grads and step()[1] == grads
+    assert ledger.seq == 10
+
+
 @pytest.mark.parametrize("workers", [2, 3, 64])
 def test_sum_chunks_stay_exact_in_float32(workers):
     rows = [(2**62 - 1, 2**61 + 12345, 0)] * workers

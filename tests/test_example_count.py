@@ -275,3 +275,64 @@ def test_one_process_counts_after_a_replica_skipped_its_loss():
     strategy.run(first, args=(mirrored.PerReplica([torch.ones(3), torch.ones(0)]),))
     result = strategy.run(lambda: mirrored.compute_average_loss(torch.ones(1)))
     assert [t.item() for t in strategy.experimental_local_results(result)] == [0.5, 0.5]
+
+
+def _passes(passes: int) -> dict:
+    """The README's loop over ``passes`` passes of the global batches (a new distributed
+    dataset each, as the examples reshuffle them); per pass, the data collectives
+    launched and the header rounds made."""
+    from mirrored._src.comm import cross_call
+
+    strategy = mirrored.MultiWorkerMirroredStrategy(
+        communication_options=CommunicationOptions(timeout_seconds=20), devices=["CPU:0"])
+    counts = {"data": 0, "header": 0}
+    launch, rows = cross_call.CrossWorkerCalls._launch, cross_call.CrossWorkerCalls._gather_rows
+
+    def launching(self, wire, data, fill=None):
+        counts["data"] += len(data)
+        return launch(self, wire, data, fill)
+
+    def gathering(self, *args):
+        counts["header"] += 1
+        return rows(self, *args)
+
+    cross_call.CrossWorkerCalls._launch = launching
+    cross_call.CrossWorkerCalls._gather_rows = gathering
+    try:
+        model = strategy.mirror(model_fn())
+        opt = strategy.mirror_optimizer(model,
+                                        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+
+        def step_fn(x: torch.Tensor, y: torch.Tensor) -> None:
+            loss = nn.functional.cross_entropy(model(x), y, reduction="none")
+            mirrored.compute_average_loss(loss).backward()
+            opt.step()
+            opt.zero_grad()
+
+        per_pass = []
+        for _ in range(passes):
+            before = dict(counts)
+            source = [global_batch(step) for step in range(len(SIZES))]
+            for x, y in strategy.experimental_distribute_dataset(source):
+                strategy.run(step_fn, args=(x, y))
+            per_pass.append({k: counts[k] - before[k] for k in counts})
+        state = {k: v.tolist() for k, v in model.replicas[0].state_dict().items()}
+    finally:
+        cross_call.CrossWorkerCalls._launch, cross_call.CrossWorkerCalls._gather_rows = (
+            launch, rows)
+        strategy.close()
+    return {"state": state, "per_pass": per_pass}
+
+
+@pytest.mark.timeout(120)
+def test_each_pass_after_the_first_costs_one_header_round_beyond_its_steps():
+    # A pass's last step tells the workers' calls to predict no successor: the next
+    # pass's agreement on its steps is one header round (predicted, it would be a
+    # transfer of zeros the size of the gradients plus the round), and the loop's
+    # gradient all-reduce keeps its prediction across the pass's end (else the next
+    # pass's second step would pay a round trip of its own).
+    results = mirrored.testing.run_multi_process(_passes, 2, args=(3,), timeout=110)
+    expected = reference([global_batch(step) for step in range(len(SIZES))] * 3)
+    for result in results:
+        _assert_close(result["state"], expected)
+        assert result["per_pass"][1:] == [{"data": len(SIZES), "header": 1}] * 2, result

@@ -161,6 +161,10 @@ class CallLedger:
         self.predicted: Wire | None = None  # this worker's guess for the next call
         self._next: dict[str, Wire] = {}  # call key -> wire sizes of the call after it
         self._last: str | None = None
+        # The run given a distributed dataset's last step (`pass_ends`), and whether the
+        # last call was made in it.
+        self._ending = -1
+        self._last_ending = False
         # The global example counts of the batches runs were given (which
         # compute_average_loss may take), folded into one number that every later call's
         # identity carries: workers whose batches had other sizes disagree at their next
@@ -188,12 +192,22 @@ class CallLedger:
             return f"in run {run}"
         return f"after run {run}" if run else "before the first run"
 
+    def pass_ends(self) -> None:
+        """A distributed dataset hands out the last step of its pass: the calls of the
+        run that takes it predict no successor, and what follows them is not learned as
+        one. What follows is another pass's agreement on its steps (a call without
+        data) or other code, while a loop's calls are followed by themselves: predicted
+        from the last successor alone, the pass's end would cost a transfer of zeros the
+        size of the step's all-reduce and the next pass's second step a round trip."""
+        self._ending = self.run + 1
+
     def enter(self, key: str, wire: Wire) -> tuple[int, Wire | None]:
         """A call starts: its number, and the predicted wire sizes of the next one."""
         self.seq += 1
         self.index += 1
-        if self._last is not None:
+        ending = self.in_run and self.run == self._ending
+        if self._last is not None and not self._last_ending:
             self._next[self._last] = wire
-        self._last = key
-        self.predicted = self._next.get(key)
+        self._last, self._last_ending = key, ending
+        self.predicted = None if ending else self._next.get(key)
         return self.seq, self.predicted

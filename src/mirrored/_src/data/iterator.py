@@ -33,7 +33,9 @@ class WorkerVote:
     ``steps(count)`` gives every worker's count of steps (``-1``: unknown; one
     collective), asked once per pass: when every count is known, no worker votes at
     each step. ``every_worker(has_data)``, if given, is the vote with each worker's
-    answer (`each`).
+    answer (`each`). ``last_step()``, if given, is told when a pass whose steps
+    were agreed hands out its last (the workers' calls predict no successor then:
+    `CallLedger.pass_ends`).
 
     Example:
         >>> vote = WorkerVote(lambda has_data: has_data, lambda count: [count, 3],
@@ -42,11 +44,13 @@ class WorkerVote:
         (True, [2, 3], (True, False))
     """
 
-    __slots__ = ("_any", "_every", "steps")
+    __slots__ = ("_any", "_every", "last_step", "steps")
 
     def __init__(self, any_worker: AnyWorker, steps: Callable[[int], list[int]],
-                 every_worker: Callable[[bool], list[int]] | None = None) -> None:
+                 every_worker: Callable[[bool], list[int]] | None = None,
+                 last_step: Callable[[], None] = lambda: None) -> None:
         self._any, self.steps, self._every = any_worker, steps, every_worker
+        self.last_step = last_step
 
     def __call__(self, has_data: bool) -> bool:
         return self._any(has_data)
@@ -268,6 +272,9 @@ class DistributedIterator:
                         "none")
             raise StopIteration
         self._taken += 1
+        if self._taken == total:
+            assert isinstance(self._any_worker, WorkerVote)  # (counted steps are agreed)
+            self._any_worker.last_step()
         if not self._exhausted:
             try:
                 self._last = self._next_step()

@@ -160,7 +160,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         assert isinstance(comm, DistributedCommunicator)  # built by wrap above
         # (datasets whose every worker's source has a len() agree on their steps once)
         vote = WorkerVote(comm.any, functools.partial(comm.agree, "the dataset's steps"),
-                          functools.partial(comm.agree, "whether each worker has data"))
+                          functools.partial(comm.agree, "whether each worker has data"),
+                          ledger.pass_ends)
         # (with unchecked calls a replica counting alone would meet another call unseen)
         cluster = Cluster(resolver=resolver, vote=vote, sync=comm.broadcast_from_chief,
                           leave=job.close, next_phase=ledger.next_phase,

@@ -73,25 +73,45 @@ def test_the_ledger_counts_runs_and_predicts_the_next_call():
     assert identity_hash("x") != identity_hash("y") and identity_hash("x") > 0
 
 
-def test_a_pass_end_predicts_no_successor_and_keeps_the_loops_prediction():
+@pytest.mark.parametrize("reduces", [False, True])
+def test_a_pass_end_predicts_nothing_until_the_next_pass_and_keeps_the_loops(reduces):
+    # A loop of steps over passes of a distributed dataset: its agreement on the steps
+    # (no data), then each step's gradient all-reduce, with reduces a loss reduced after
+    # each step and an epoch's metric at the pass's end (the example's loop).
     ledger = CallLedger()
-    grads = (("sum", "torch.float32", 33),)
+    grads, loss, metric = ((("sum", "torch.float32", n),) for n in (33, 31, 30))
+    predicted = []
 
-    def step() -> tuple[int, object]:  # a run making one call
-        ledger.next_phase()
-        entered = ledger.enter("grads", grads)
-        ledger.next_phase()
-        return entered
+    def call(key: str, wire: tuple) -> None:
+        predicted.append((key, ledger.enter(key, wire)[1]))
 
-    for passes in range(2):
-        assert ledger.enter("agree", ())[1] == (grads if passes else None)
-        step()
-        assert step()[1] == grads  # a loop's call is followed by itself
-        ledger.pass_ends()  # the next run takes the pass's last step
-        assert step()[1] is None  # its call predicts nothing
-    # What followed the pass's last call (the agreement) was not learned as its successor.
-    assert ledger.enter("agree", ())[1] == grads and step()[1] == grads
-    assert ledger.seq == 10
+    def step() -> None:
+        ledger.next_phase()
+        call("grads", grads)
+        ledger.next_phase()
+        if reduces:
+            call("loss", loss)
+
+    for _ in range(3):
+        ledger.pass_starts()
+        call("agree", ())
+        for last in (False, False, True):
+            if last:
+                ledger.pass_ends()  # the next run takes the pass's last step
+            step()
+        if reduces:
+            call("metric", metric)
+    per_pass = len(predicted) // 3
+    steady = predicted[-per_pass:]
+    after = {"agree": grads, "grads": loss if reduces else grads, "loss": grads}
+    # Every call of the last pass predicts the loop's successor, but from the start of
+    # the pass's last run, where nothing is predicted: the loop's predictions are kept.
+    quiet = 3 if reduces else 1  # the last step's calls and the metric
+    assert steady[:-quiet] == [(key, after[key]) for key, _ in steady[:-quiet]]
+    assert [guess for _, guess in steady[-quiet:]] == [None] * quiet
+    # Another run ends the quiet calls too: a pass that is not followed by another.
+    ledger.next_phase()
+    assert ledger.enter("grads", grads)[1] == (loss if reduces else grads)
 
 
 @pytest.mark.parametrize("workers", [2, 3, 64])

@@ -277,62 +277,85 @@ def test_one_process_counts_after_a_replica_skipped_its_loss():
     assert [t.item() for t in strategy.experimental_local_results(result)] == [0.5, 0.5]
 
 
-def _passes(passes: int) -> dict:
+def _passes(passes: int, reduces: bool) -> dict:
     """The README's loop over ``passes`` passes of the global batches (a new distributed
-    dataset each, as the examples reshuffle them); per pass, the data collectives
-    launched and the header rounds made."""
+    dataset each, as the examples reshuffle them); with ``reduces``, each step's loss
+    reduced after its run and a metric at each pass's end (the digits example's loop).
+    Per pass: the data collectives launched, those the calls made carry, the header
+    rounds."""
     from mirrored._src.comm import cross_call
 
     strategy = mirrored.MultiWorkerMirroredStrategy(
         communication_options=CommunicationOptions(timeout_seconds=20), devices=["CPU:0"])
-    counts = {"data": 0, "header": 0}
-    launch, rows = cross_call.CrossWorkerCalls._launch, cross_call.CrossWorkerCalls._gather_rows
+    counts = {"data": 0, "calls' data": 0, "header": 0}
+    calls = cross_call.CrossWorkerCalls
+    originals = calls._launch, calls._gather_rows, calls.call, calls.launch
 
     def launching(self, wire, data, fill=None):
         counts["data"] += len(data)
-        return launch(self, wire, data, fill)
+        return originals[0](self, wire, data, fill)
 
     def gathering(self, *args):
         counts["header"] += 1
-        return rows(self, *args)
+        return originals[1](self, *args)
 
-    cross_call.CrossWorkerCalls._launch = launching
-    cross_call.CrossWorkerCalls._gather_rows = gathering
+    def calling(self, what, wire, data, **kwargs):
+        counts["calls' data"] += len(data)
+        return originals[2](self, what, wire, data, **kwargs)
+
+    def launching_later(self, what, wire, data):
+        counts["calls' data"] += len(data)
+        return originals[3](self, what, wire, data)
+
+    calls._launch, calls._gather_rows, calls.call, calls.launch = (
+        launching, gathering, calling, launching_later)
     try:
         model = strategy.mirror(model_fn())
         opt = strategy.mirror_optimizer(model,
                                         lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
 
-        def step_fn(x: torch.Tensor, y: torch.Tensor) -> None:
+        def step_fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             loss = nn.functional.cross_entropy(model(x), y, reduction="none")
             mirrored.compute_average_loss(loss).backward()
             opt.step()
             opt.zero_grad()
+            return loss.detach()
 
-        per_pass = []
+        per_pass, losses = [], []
         for _ in range(passes):
             before = dict(counts)
             source = [global_batch(step) for step in range(len(SIZES))]
             for x, y in strategy.experimental_distribute_dataset(source):
-                strategy.run(step_fn, args=(x, y))
+                loss = strategy.run(step_fn, args=(x, y))
+                if reduces:
+                    losses.append(strategy.reduce("MEAN", loss, axis=0).item())
+            if reduces:
+                losses.append(strategy.reduce("SUM", torch.tensor(float(len(losses)))).item())
             per_pass.append({k: counts[k] - before[k] for k in counts})
         state = {k: v.tolist() for k, v in model.replicas[0].state_dict().items()}
     finally:
-        cross_call.CrossWorkerCalls._launch, cross_call.CrossWorkerCalls._gather_rows = (
-            launch, rows)
+        calls._launch, calls._gather_rows, calls.call, calls.launch = originals
         strategy.close()
-    return {"state": state, "per_pass": per_pass}
+    return {"state": state, "per_pass": per_pass, "losses": losses}
 
 
 @pytest.mark.timeout(120)
-def test_each_pass_after_the_first_costs_one_header_round_beyond_its_steps():
-    # A pass's last step tells the workers' calls to predict no successor: the next
-    # pass's agreement on its steps is one header round (predicted, it would be a
-    # transfer of zeros the size of the gradients plus the round), and the loop's
-    # gradient all-reduce keeps its prediction across the pass's end (else the next
-    # pass's second step would pay a round trip of its own).
-    results = mirrored.testing.run_multi_process(_passes, 2, args=(3,), timeout=110)
+@pytest.mark.parametrize("reduces", [False, True])
+def test_passes_after_the_first_send_no_zeros_and_one_header_round_at_each_start(reduces):
+    # From a pass's last step until the next pass starts, the workers' calls predict no
+    # successor (what follows a pass is not the loop's next call): the next pass's
+    # agreement on its steps is one header round, never a transfer of zeros the size of
+    # the predicted call (the gradients) first; and the loop keeps its predictions
+    # across the pass's end, so its steps are one round each.
+    results = mirrored.testing.run_multi_process(_passes, 2, args=(3, reduces), timeout=110)
     expected = reference([global_batch(step) for step in range(len(SIZES))] * 3)
     for result in results:
         _assert_close(result["state"], expected)
-        assert result["per_pass"][1:] == [{"data": len(SIZES), "header": 1}] * 2, result
+        for counts in result["per_pass"]:
+            assert counts["data"] == counts["calls' data"], result  # no zeros sent
+        # header rounds: the agreement's; with reduces also each loss's element count
+        # (a header-only call) and, in two steps each, the last step's loss and the
+        # metric (made after the pass's last run: nothing predicted them)
+        header = 1 + (len(SIZES) + 2 if reduces else 0)
+        assert [c["header"] for c in result["per_pass"][1:]] == [header] * 2, result
+    assert results[0]["losses"] == results[1]["losses"]

@@ -159,12 +159,13 @@ class CallLedger:
         self.broken: str | None = None  # set once workers may be out of step
         self.agreed: Wire | None = None  # the wire sizes every worker predicted
         self.predicted: Wire | None = None  # this worker's guess for the next call
-        self._next: dict[str, Wire] = {}  # call key -> wire sizes of the call after it
+        # call key -> [the wire sizes of the call after it, other sizes seen once since]
+        self._next: dict[str, list[Wire | None]] = {}
         self._last: str | None = None
-        # The run given a distributed dataset's last step (`pass_ends`), and whether the
-        # last call was made in it.
+        # The run given a distributed dataset's last step (`pass_ends`), and whether calls
+        # predict nothing (from that run's start until a pass or another run starts).
         self._ending = -1
-        self._last_ending = False
+        self._quiet = False
         # The global example counts of the batches runs were given (which
         # compute_average_loss may take), folded into one number that every later call's
         # identity carries: workers whose batches had other sizes disagree at their next
@@ -179,6 +180,7 @@ class CallLedger:
         """A ``run`` starts or ends."""
         if not self.in_run:
             self.run += 1
+            self._quiet = self.run == self._ending
         self.in_run = not self.in_run
         self.index = 0
 
@@ -193,21 +195,37 @@ class CallLedger:
         return f"after run {run}" if run else "before the first run"
 
     def pass_ends(self) -> None:
-        """A distributed dataset hands out the last step of its pass: the calls of the
-        run that takes it predict no successor, and what follows them is not learned as
-        one. What follows is another pass's agreement on its steps (a call without
-        data) or other code, while a loop's calls are followed by themselves: predicted
-        from the last successor alone, the pass's end would cost a transfer of zeros the
-        size of the step's all-reduce and the next pass's second step a round trip."""
+        """A distributed dataset hands out the last step of its pass: from the start of
+        the run that takes it until the next pass starts (`pass_starts`) or another run
+        does, calls predict no successor. What follows a pass is another pass's
+        agreement on its steps (a call without data), an epoch's reductions or other
+        code, not the loop's next call: predicted, a worker would send zeros the size of
+        that call (the step's gradients) and then make the call in two steps."""
         self._ending = self.run + 1
 
+    def pass_starts(self) -> None:
+        """A distributed dataset's pass starts (its agreement on the steps comes next):
+        calls predict their successors again (see `pass_ends`)."""
+        self._quiet = False
+
     def enter(self, key: str, wire: Wire) -> tuple[int, Wire | None]:
-        """A call starts: its number, and the predicted wire sizes of the next one."""
+        """A call starts: its number, and the predicted wire sizes of the next one: what
+        has followed this call, another successor taking over once it followed twice
+        in a row (a step's last call, followed by the step's first call but once a
+        pass, keeps that prediction)."""
         self.seq += 1
         self.index += 1
-        ending = self.in_run and self.run == self._ending
-        if self._last is not None and not self._last_ending:
-            self._next[self._last] = wire
-        self._last, self._last_ending = key, ending
-        self.predicted = None if ending else self._next.get(key)
+        if self._last is not None:
+            seen = self._next.get(self._last)
+            if seen is None:
+                self._next[self._last] = [wire, None]
+            elif seen[0] == wire:
+                seen[1] = None
+            elif seen[1] == wire:  # twice in a row: the successor now
+                seen[0], seen[1] = wire, None
+            else:
+                seen[1] = wire
+        self._last = key
+        known = self._next.get(key)
+        self.predicted = None if self._quiet or known is None else known[0]
         return self.seq, self.predicted

@@ -33,9 +33,9 @@ class WorkerVote:
     ``steps(count)`` gives every worker's count of steps (``-1``: unknown; one
     collective), asked once per pass: when every count is known, no worker votes at
     each step. ``every_worker(has_data)``, if given, is the vote with each worker's
-    answer (`each`). ``last_step()``, if given, is told when a pass whose steps
-    were agreed hands out its last (the workers' calls predict no successor then:
-    `CallLedger.pass_ends`).
+    answer (`each`). ``last_step()`` and ``first_step()``, if given, are told when a
+    pass whose steps are agreed hands out its last step and asks for the steps
+    (`CallLedger.pass_ends`: the workers' calls predict no successor in between).
 
     Example:
         >>> vote = WorkerVote(lambda has_data: has_data, lambda count: [count, 3],
@@ -44,13 +44,14 @@ class WorkerVote:
         (True, [2, 3], (True, False))
     """
 
-    __slots__ = ("_any", "_every", "last_step", "steps")
+    __slots__ = ("_any", "_every", "first_step", "last_step", "steps")
 
     def __init__(self, any_worker: AnyWorker, steps: Callable[[int], list[int]],
                  every_worker: Callable[[bool], list[int]] | None = None,
-                 last_step: Callable[[], None] = lambda: None) -> None:
+                 last_step: Callable[[], None] = lambda: None,
+                 first_step: Callable[[], None] = lambda: None) -> None:
         self._any, self.steps, self._every = any_worker, steps, every_worker
-        self.last_step = last_step
+        self.last_step, self.first_step = last_step, first_step
 
     def __call__(self, has_data: bool) -> bool:
         return self._any(has_data)
@@ -241,6 +242,7 @@ class DistributedIterator:
         total = self._total
         if total == -1:
             assert isinstance(self._any_worker, WorkerVote)  # (set so in __init__)
+            self._any_worker.first_step()
             counts = self._any_worker.steps(self._length)
             self._total = max(counts) if min(counts) >= 0 else None
             self._everyone = min(counts)

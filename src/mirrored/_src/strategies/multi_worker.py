@@ -161,7 +161,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         # (datasets whose every worker's source has a len() agree on their steps once)
         vote = WorkerVote(comm.any, functools.partial(comm.agree, "the dataset's steps"),
                           functools.partial(comm.agree, "whether each worker has data"),
-                          ledger.pass_ends)
+                          ledger.pass_ends, ledger.pass_starts)
         # (with unchecked calls a replica counting alone would meet another call unseen)
         cluster = Cluster(resolver=resolver, vote=vote, sync=comm.broadcast_from_chief,
                           leave=job.close, next_phase=ledger.next_phase,

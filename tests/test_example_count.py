@@ -353,9 +353,9 @@ def test_passes_after_the_first_send_no_zeros_and_one_header_round_at_each_start
         _assert_close(result["state"], expected)
         for counts in result["per_pass"]:
             assert counts["data"] == counts["calls' data"], result  # no zeros sent
-        # header rounds: the agreement's; with reduces also each loss's element count
-        # (a header-only call) and, in two steps each, the last step's loss and the
-        # metric (made after the pass's last run: nothing predicted them)
-        header = 1 + (len(SIZES) + 2 if reduces else 0)
+        # header rounds: the agreement's; with reduces also, in two steps each, the
+        # last step's loss and the metric (made after the pass's last run: nothing
+        # predicted them; a MEAN's element counts ride in its sum's call)
+        header = 1 + (2 if reduces else 0)
         assert [c["header"] for c in result["per_pass"][1:]] == [header] * 2, result
     assert results[0]["losses"] == results[1]["losses"]

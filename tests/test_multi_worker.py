@@ -154,6 +154,63 @@ def test_every_operation_across_workers(workers, local):
     _check_every_operation(results, workers, local)
 
 
+def _means_of_mixed_values(local: int) -> dict:
+    """MEANs along axis 0 of a nest of float32, float64 and int64 rows (each replica
+    and worker its own count, one replica none), and how many cross-worker calls
+    each reduce made."""
+    from mirrored._src.comm import cross_call
+
+    strategy = _strategy(local)
+    calls = [0]
+    original = cross_call.CrossWorkerCalls.call
+
+    def counting(self, *args, **kwargs):
+        calls[0] += 1
+        return original(self, *args, **kwargs)
+
+    def rows(ctx) -> dict:
+        g = ctx.replica_id_in_sync_group
+        n = 0 if g == 1 else g + 2
+        return {"f32": torch.arange(n, dtype=torch.float32) * 0.1 + g,
+                "f64": torch.arange(2 * n, dtype=torch.float64).view(n, 2) / 3 + g,
+                "i64": torch.arange(n) * 7 - g}
+
+    value = strategy.experimental_distribute_values_from_function(rows)
+    cross_call.CrossWorkerCalls.call = counting
+    try:
+        means = strategy.reduce("MEAN", value, axis=0)
+        host = strategy.reduce("MEAN", torch.arange(strategy.cluster_resolver.worker_index + 3.0),
+                               axis=0)
+    finally:
+        cross_call.CrossWorkerCalls.call = original
+        strategy.close()
+    return {"means": {k: v.tolist() for k, v in means.items()}, "host": host.item(),
+            "calls": calls[0]}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("local", [1, 2])
+def test_means_along_an_axis_divide_by_every_workers_rows_in_one_call(local):
+    # The element counts ride in the sum's call (their own pack), so each reduce is one
+    # checked call; the means equal NumPy's over every replica's rows concatenated.
+    results = mirrored.testing.run_multi_process(_means_of_mixed_values, 2, args=(local,),
+                                                 timeout=80)
+    replicas = 2 * local
+    rows = {k: [] for k in ("f32", "f64", "i64")}
+    for g in range(replicas):
+        n = 0 if g == 1 else g + 2
+        rows["f32"].append(np.arange(n, dtype=np.float32) * np.float32(0.1) + g)
+        rows["f64"].append(np.arange(2 * n, dtype=np.float64).reshape(n, 2) / 3 + g)
+        rows["i64"].append(np.arange(n) * 7 - g)
+    for result in results:
+        assert result["calls"] == 2, result
+        for key, parts in rows.items():
+            expected = np.concatenate(parts).astype(np.float64).mean(axis=0)
+            np.testing.assert_allclose(result["means"][key], expected, rtol=1e-6)
+        assert result["host"] == pytest.approx(np.concatenate([np.arange(3.0),
+                                                               np.arange(4.0)]).mean())
+
+
 def test_two_workers_split_range_14_as_the_spec_says():
     # Worker 0 gets [0..3] then [8, 9, 10]; worker 1 [4..7] then [11, 12, 13].
     assert [list(range(*chunk_bounds(8, 2, w))) for w in (0, 1)] == [[0, 1, 2, 3],

@@ -165,14 +165,28 @@ def reduce(parts: Parts, reduce_op: ReduceOp | str, value: Any, axis: Any) -> An
     if jobs:
         communicator = parts.communicators.default
         counts: list[int] | None = None
+        totals: list[list[torch.Tensor]] | None = None
+        per_replica = list(zip(*(job[2] for job in jobs), strict=True))
+        local_counts = [list(c) for c in zip(*(job[3] for job in jobs), strict=True)]
+        destination = _destination(device)
+        base_op = jobs[0][1].base_op
         if (op is ReduceOp.MEAN and (worker_values or topology.elastic)) or any(
                 plan.counts for _, plan, _, _ in jobs):  # elastic: the replicas combined
-            counts = communicator.sum_counts([list(c) for c in zip(
-                *(job[3] for job in jobs), strict=True)])
-        destination = _destination(device)
-        totals = communicator.reduce_packed(
-            jobs[0][1].base_op, list(zip(*(job[2] for job in jobs), strict=True)),
-            [destination] * len(jobs), parts.options.bytes_per_pack)
+            if base_op is ReduceOp.SUM and topology.num_workers > 1 and not topology.elastic:
+                # Across workers the counts ride in the sum's call (an int64 pack beside
+                # the values: its collective in flight with theirs), not a round of
+                # their own before it.
+                totals = communicator.reduce_packed(base_op, [
+                    [*values, torch.tensor(c, dtype=torch.int64, device=values[0].device)]
+                    for values, c in zip(per_replica, local_counts, strict=True)],
+                    [destination] * (len(jobs) + 1), parts.options.bytes_per_pack)
+                counts = [int(n) for n in totals.pop()[0].tolist()]
+            else:
+                counts = communicator.sum_counts(local_counts)
+        if totals is None:
+            totals = communicator.reduce_packed(base_op, per_replica,
+                                                [destination] * len(jobs),
+                                                parts.options.bytes_per_pack)
         for j, ((k, plan, _, _), total) in enumerate(zip(jobs, totals, strict=True)):
             divisor = topology.num_replicas_in_sync if counts is None else counts[j]
             if plan.dims is not None and plan.op in (ReduceOp.MIN, ReduceOp.MAX) and not divisor:

@@ -112,6 +112,14 @@ def test_a_pass_end_predicts_nothing_until_the_next_pass_and_keeps_the_loops(red
     # Another run ends the quiet calls too: a pass that is not followed by another.
     ledger.next_phase()
     assert ledger.enter("grads", grads)[1] == (loss if reduces else grads)
+    ledger.next_phase()
+    # A pass whose last step is taken but never run (a break), then a new pass: its
+    # first run predicts as usual.
+    ledger.pass_ends()
+    ledger.pass_starts()
+    ledger.enter("agree", ())
+    ledger.next_phase()
+    assert ledger.enter("grads", grads)[1] == (loss if reduces else grads)
 
 
 @pytest.mark.parametrize("workers", [2, 3, 64])

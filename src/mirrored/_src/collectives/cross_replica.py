@@ -34,6 +34,8 @@ from ..reduction import (
 from ..values import DistributedValues, Mirrored, PerReplica, to_tensor
 from .parts import Parts
 
+_HOST = (Device("CPU", 0),)  # where counts read on the host are sent
+
 __all__ = ["check_components", "gather", "reduce"]
 
 
@@ -175,11 +177,11 @@ def reduce(parts: Parts, reduce_op: ReduceOp | str, value: Any, axis: Any) -> An
             if base_op is ReduceOp.SUM and topology.num_workers > 1 and not topology.elastic:
                 # Across workers the counts ride in the sum's call (an int64 pack beside
                 # the values: its collective in flight with theirs), not a round of
-                # their own before it.
+                # their own before it; their total comes to the host, which reads it.
                 totals = communicator.reduce_packed(base_op, [
                     [*values, torch.tensor(c, dtype=torch.int64, device=values[0].device)]
                     for values, c in zip(per_replica, local_counts, strict=True)],
-                    [destination] * (len(jobs) + 1), parts.options.bytes_per_pack)
+                    [destination] * len(jobs) + [_HOST], parts.options.bytes_per_pack)
                 counts = [int(n) for n in totals.pop()[0].tolist()]
             else:
                 counts = communicator.sum_counts(local_counts)

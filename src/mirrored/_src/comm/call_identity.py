@@ -205,8 +205,10 @@ class CallLedger:
 
     def pass_starts(self) -> None:
         """A distributed dataset's pass starts (its agreement on the steps comes next):
-        calls predict their successors again (see `pass_ends`)."""
+        calls predict their successors again (see `pass_ends`), also where the last
+        pass's last step was never run."""
         self._quiet = False
+        self._ending = -1
 
     def enter(self, key: str, wire: Wire) -> tuple[int, Wire | None]:
         """A call starts: its number, and the predicted wire sizes of the next one: what

@@ -10,7 +10,7 @@ worker's identity (see `call_identity`) is the same; otherwise every worker rais
 The header and the data travel together (one round trip) when their sizes are
 known to match: Gloo aborts the process when workers send different sizes, so each
 header also carries a hash of the wire sizes its worker *predicts* for its next call
-(what followed this call last time). When every worker predicted the same sizes and
+(what has followed this call: `CallLedger.enter`). When every worker predicted the same sizes and
 the call has them, header and data go at once; a worker whose call has other sizes
 sends zeros of the predicted sizes with ``miss`` set, and every worker then redoes
 the call in two steps (header first, data once the identities agree). Without an
@@ -220,7 +220,8 @@ class DistributedCommunicator:
     def sum_counts(self, per_replica: Sequence[Sequence[int]], what: str = "") -> list[int]:
         """Global element counts (``per_replica[r][k]``: local replica ``r``'s count of
         value ``k``), checked like every call: one count (``compute_average_loss``'s,
-        or a MEAN's along an axis) travels in the header row's ``value`` field (one
+        or a MEAN's along an axis inside ``run``; ``strategy.reduce`` sends its
+        counts in the sum's own call) travels in the header row's ``value`` field (one
         all-gather of a few int64: Gloo's ring all-reduce of a count and its
         14-element trailer takes two rounds; see docs/multi_worker.md, "The step's
         example count"), several in one int64 all-reduce SUM."""

@@ -181,11 +181,20 @@ def _means_of_mixed_values(local: int) -> dict:
         means = strategy.reduce("MEAN", value, axis=0)
         host = strategy.reduce("MEAN", torch.arange(strategy.cluster_resolver.worker_index + 3.0),
                                axis=0)
+        calls_of_reduce = calls[0]
+        inside = strategy.run(lambda v: mirrored.get_replica_context().all_reduce(
+            "MEAN", v, axis=0), args=(value,))
+        sums = strategy.run(lambda v: mirrored.get_replica_context().all_reduce(
+            "SUM", v, axis=0), args=(value,))
     finally:
         cross_call.CrossWorkerCalls.call = original
         strategy.close()
     return {"means": {k: v.tolist() for k, v in means.items()}, "host": host.item(),
-            "calls": calls[0]}
+            "calls": calls_of_reduce, "calls inside run": calls[0] - calls_of_reduce,
+            "inside": [{k: t.tolist() for k, t in r.items()}
+                       for r in strategy.experimental_local_results(inside)],
+            "sums": [{k: t.tolist() for k, t in r.items()}
+                     for r in strategy.experimental_local_results(sums)]}
 
 
 @pytest.mark.timeout(90)
@@ -203,10 +212,14 @@ def test_means_along_an_axis_divide_by_every_workers_rows_in_one_call(local):
         rows["f64"].append(np.arange(2 * n, dtype=np.float64).reshape(n, 2) / 3 + g)
         rows["i64"].append(np.arange(n) * 7 - g)
     for result in results:
-        assert result["calls"] == 2, result
+        assert (result["calls"], result["calls inside run"]) == (2, 2), result
         for key, parts in rows.items():
-            expected = np.concatenate(parts).astype(np.float64).mean(axis=0)
+            whole = np.concatenate(parts).astype(np.float64)
+            expected = whole.mean(axis=0)
             np.testing.assert_allclose(result["means"][key], expected, rtol=1e-6)
+            for inside, sums in zip(result["inside"], result["sums"], strict=True):
+                np.testing.assert_allclose(inside[key], expected, rtol=1e-6)
+                np.testing.assert_allclose(sums[key], whole.sum(axis=0), rtol=1e-6)
         assert result["host"] == pytest.approx(np.concatenate([np.arange(3.0),
                                                                np.arange(4.0)]).mean())
 

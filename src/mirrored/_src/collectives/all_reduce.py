@@ -28,7 +28,14 @@ from ..reduction import (
     prepare,
 )
 from ..runtime.contract import Arrival, CallSpec, CollectiveFailure
-from .call import call_spec, paths_of, refuse_in_merge_fn, tensors_of, with_paths
+from .call import (
+    call_spec,
+    paths_of,
+    refuse_in_merge_fn,
+    sum_with_counts,
+    tensors_of,
+    with_paths,
+)
 from .parts import Parts
 
 __all__ = ["AllReduce", "Payload", "Result", "all_reduce", "direct", "sum_examples"]
@@ -94,8 +101,13 @@ class AllReduce:
     def _combine(self, payloads: Sequence[Payload]) -> list[Result]:
         topology = self.parts.topology
         counts: list[int] | None = None
+        base_op = ReduceOp.SUM if self.op is ReduceOp.MEAN else self.op
+        # Across workers the counts of a sum ride in its call (`sum_with_counts`).
+        ride = (self.axes is not None and base_op is ReduceOp.SUM and topology.num_workers > 1
+                and not topology.elastic)
         # Elastic: a MEAN divides by the replicas of the step (some may be missing).
-        if self.axes is not None or (self.op is ReduceOp.MEAN and topology.elastic):
+        if not ride and (self.axes is not None or (self.op is ReduceOp.MEAN
+                                                   and topology.elastic)):
             counts = self.parts.communicators.for_options(self.options).sum_counts(
                 [p.counts for p in payloads]) if topology.num_replicas_in_sync > 1 else list(
                 payloads[0].counts)
@@ -107,12 +119,17 @@ class AllReduce:
             # is whatever the caller's is, so no communicator is involved).
             return [Result([p.clone() for p in payloads[0].partials], counts)]
         devices = topology.devices
-        base_op = ReduceOp.SUM if self.op is ReduceOp.MEAN else self.op
         communicator = self.parts.communicators.for_options(self.options)
+        first = payloads[0].partials
+        if ride:
+            reduced, counts = sum_with_counts(communicator, [p.partials for p in payloads],
+                                              [p.counts for p in payloads],
+                                              [devices] * len(first), self.options.bytes_per_pack)
+            return [Result([per_value[r] for per_value in reduced], counts)
+                    for r in range(len(payloads))]
         if counts is None and direct(communicator, topology.torch_devices, payloads):
             totals = combine_each(base_op, [p.partials[0] for p in payloads])
             return [Result([total], None) for total in totals]
-        first = payloads[0].partials
         reduced = communicator.reduce_packed(base_op, [p.partials for p in payloads],
                                              [devices] * len(first), self.options.bytes_per_pack)
         return [Result([per_value[r] for per_value in reduced], counts)

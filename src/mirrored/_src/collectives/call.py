@@ -1,5 +1,6 @@
 """What every replica-context collective shares: the call site, the conversion of a
-nest to this replica's tensors, and the refusals (inside a ``merge_fn``)."""
+nest to this replica's tensors, the refusals (inside a ``merge_fn``), and sums whose
+element counts ride in the same call."""
 
 from __future__ import annotations
 
@@ -11,14 +12,34 @@ from typing import Any, TypeVar
 import torch
 
 from .. import context, pytree
+from ..comm.communicator import Communicator
+from ..devices import Device
+from ..reduce_op import ReduceOp
 from ..reduction import masked_shape
 from ..runtime.contract import CallSpec
 from ..values import DistributedValues, to_tensor
 from .parts import Parts
 
-__all__ = ["call_site", "call_spec", "paths_of", "refuse_in_merge_fn", "tensors_of", "with_paths"]
+__all__ = ["call_site", "call_spec", "paths_of", "refuse_in_merge_fn", "sum_with_counts",
+           "tensors_of", "with_paths"]
 
 T = TypeVar("T")
+_HOST = (Device("CPU", 0),)  # where counts read on the host are sent
+
+
+def sum_with_counts(communicator: Communicator, values: Sequence[Sequence[torch.Tensor]],
+                    counts: Sequence[Sequence[int]], destinations: Sequence[tuple[Device, ...]],
+                    bytes_per_pack: int) -> tuple[list[list[torch.Tensor]], list[int]]:
+    """``communicator.reduce_packed`` SUM of each local replica's ``values`` (one list
+    per replica) and their element ``counts`` (one int per value) summed in the same
+    call, as an int64 pack beside the values sent to the host that reads it: across
+    workers one checked call where `Communicator.sum_counts` first would be a round
+    trip of its own. Returns the sums (as ``reduce_packed``) and the global counts."""
+    reduced = communicator.reduce_packed(ReduceOp.SUM, [
+        [*v, torch.tensor(list(c), dtype=torch.int64, device=v[0].device if v else None)]
+        for v, c in zip(values, counts, strict=True)], [*destinations, _HOST], bytes_per_pack)
+    totals = reduced.pop()[0]
+    return reduced, [int(n) for n in totals.tolist()]
 
 
 _LIBRARY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -32,9 +32,8 @@ from ..reduction import (
     prepare,
 )
 from ..values import DistributedValues, Mirrored, PerReplica, to_tensor
+from .call import sum_with_counts
 from .parts import Parts
-
-_HOST = (Device("CPU", 0),)  # where counts read on the host are sent
 
 __all__ = ["check_components", "gather", "reduce"]
 
@@ -175,14 +174,10 @@ def reduce(parts: Parts, reduce_op: ReduceOp | str, value: Any, axis: Any) -> An
         if (op is ReduceOp.MEAN and (worker_values or topology.elastic)) or any(
                 plan.counts for _, plan, _, _ in jobs):  # elastic: the replicas combined
             if base_op is ReduceOp.SUM and topology.num_workers > 1 and not topology.elastic:
-                # Across workers the counts ride in the sum's call (an int64 pack beside
-                # the values: its collective in flight with theirs), not a round of
-                # their own before it; their total comes to the host, which reads it.
-                totals = communicator.reduce_packed(base_op, [
-                    [*values, torch.tensor(c, dtype=torch.int64, device=values[0].device)]
-                    for values, c in zip(per_replica, local_counts, strict=True)],
-                    [destination] * len(jobs) + [_HOST], parts.options.bytes_per_pack)
-                counts = [int(n) for n in totals.pop()[0].tolist()]
+                # (across workers the counts ride in the sum's call)
+                totals, counts = sum_with_counts(communicator, per_replica, local_counts,
+                                                 [destination] * len(jobs),
+                                                 parts.options.bytes_per_pack)
             else:
                 counts = communicator.sum_counts(local_counts)
         if totals is None:

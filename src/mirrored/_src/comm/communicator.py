@@ -6,7 +6,7 @@ context's ``all_reduce``/``all_gather``, ``extended.reduce_to``,
 single-process strategy uses a `CrossDeviceOps` (which implements the protocol);
 a multi-worker one wraps it in a two-level communicator (local replicas first,
 then one ``torch.distributed`` collective across workers per pack); element
-counts for exact means travel through ``sum_counts`` (``strategy.reduce`` across
+counts for exact means travel through ``sum_counts`` (a sum along an axis across
 workers sends them in its ``reduce_packed`` call instead). The math
 around the calls (axis pre-reduction, counts, MEAN division, promotion) lives
 in ``reduction`` and never changes with the transport.

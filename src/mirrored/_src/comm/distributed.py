@@ -219,9 +219,9 @@ class DistributedCommunicator:
 
     def sum_counts(self, per_replica: Sequence[Sequence[int]], what: str = "") -> list[int]:
         """Global element counts (``per_replica[r][k]``: local replica ``r``'s count of
-        value ``k``), checked like every call: one count (``compute_average_loss``'s,
-        or a MEAN's along an axis inside ``run``; ``strategy.reduce`` sends its
-        counts in the sum's own call) travels in the header row's ``value`` field (one
+        value ``k``), checked like every call: one count (``compute_average_loss``'s;
+        sums and means along an axis send theirs in their own call, see
+        `collectives.call.sum_with_counts`) travels in the header row's ``value`` field (one
         all-gather of a few int64: Gloo's ring all-reduce of a count and its
         14-element trailer takes two rounds; see docs/multi_worker.md, "The step's
         example count"), several in one int64 all-reduce SUM."""

@@ -173,12 +173,14 @@ def _means_of_mixed_values(local: int) -> dict:
         n = 0 if g == 1 else g + 2
         return {"f32": torch.arange(n, dtype=torch.float32) * 0.1 + g,
                 "f64": torch.arange(2 * n, dtype=torch.float64).view(n, 2) / 3 + g,
-                "i64": torch.arange(n) * 7 - g}
+                "i64": torch.arange(n) * 7 - g,
+                "f16": (torch.arange(n, dtype=torch.float16) + g) / 4}  # (no trailer)
 
     value = strategy.experimental_distribute_values_from_function(rows)
     cross_call.CrossWorkerCalls.call = counting
     try:
-        means = strategy.reduce("MEAN", value, axis=0)
+        with torch.inference_mode():  # (an evaluation's metrics)
+            means = strategy.reduce("MEAN", value, axis=0)
         host = strategy.reduce("MEAN", torch.arange(strategy.cluster_resolver.worker_index + 3.0),
                                axis=0)
         calls_of_reduce = calls[0]
@@ -205,21 +207,23 @@ def test_means_along_an_axis_divide_by_every_workers_rows_in_one_call(local):
     results = mirrored.testing.run_multi_process(_means_of_mixed_values, 2, args=(local,),
                                                  timeout=80)
     replicas = 2 * local
-    rows = {k: [] for k in ("f32", "f64", "i64")}
+    rows = {k: [] for k in ("f32", "f64", "i64", "f16")}
     for g in range(replicas):
         n = 0 if g == 1 else g + 2
         rows["f32"].append(np.arange(n, dtype=np.float32) * np.float32(0.1) + g)
         rows["f64"].append(np.arange(2 * n, dtype=np.float64).reshape(n, 2) / 3 + g)
         rows["i64"].append(np.arange(n) * 7 - g)
+        rows["f16"].append((np.arange(n, dtype=np.float16) + g) / 4)
     for result in results:
         assert (result["calls"], result["calls inside run"]) == (2, 2), result
         for key, parts in rows.items():
             whole = np.concatenate(parts).astype(np.float64)
             expected = whole.mean(axis=0)
-            np.testing.assert_allclose(result["means"][key], expected, rtol=1e-6)
+            rtol = 2e-3 if key == "f16" else 1e-6
+            np.testing.assert_allclose(result["means"][key], expected, rtol=rtol)
             for inside, sums in zip(result["inside"], result["sums"], strict=True):
-                np.testing.assert_allclose(inside[key], expected, rtol=1e-6)
-                np.testing.assert_allclose(sums[key], whole.sum(axis=0), rtol=1e-6)
+                np.testing.assert_allclose(inside[key], expected, rtol=rtol)
+                np.testing.assert_allclose(sums[key], whole.sum(axis=0), rtol=rtol)
         assert result["host"] == pytest.approx(np.concatenate([np.arange(3.0),
                                                                np.arange(4.0)]).mean())
 

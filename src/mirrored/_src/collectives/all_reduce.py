@@ -30,6 +30,7 @@ from ..reduction import (
 from ..runtime.contract import Arrival, CallSpec, CollectiveFailure
 from .call import (
     call_spec,
+    counts_ride,
     paths_of,
     refuse_in_merge_fn,
     sum_with_counts,
@@ -102,9 +103,7 @@ class AllReduce:
         topology = self.parts.topology
         counts: list[int] | None = None
         base_op = ReduceOp.SUM if self.op is ReduceOp.MEAN else self.op
-        # Across workers the counts of a sum ride in its call (`sum_with_counts`).
-        ride = (self.axes is not None and base_op is ReduceOp.SUM and topology.num_workers > 1
-                and not topology.elastic)
+        ride = self.axes is not None and counts_ride(self.parts, base_op)
         # Elastic: a MEAN divides by the replicas of the step (some may be missing).
         if not ride and (self.axes is not None or (self.op is ReduceOp.MEAN
                                                    and topology.elastic)):

@@ -20,11 +20,19 @@ from ..runtime.contract import CallSpec
 from ..values import DistributedValues, to_tensor
 from .parts import Parts
 
-__all__ = ["call_site", "call_spec", "paths_of", "refuse_in_merge_fn", "sum_with_counts",
-           "tensors_of", "with_paths"]
+__all__ = ["call_site", "call_spec", "counts_ride", "paths_of", "refuse_in_merge_fn",
+           "sum_with_counts", "tensors_of", "with_paths"]
 
 T = TypeVar("T")
 _HOST = (Device("CPU", 0),)  # where counts read on the host are sent
+
+
+def counts_ride(parts: Parts, base_op: ReduceOp) -> bool:
+    """Whether a reduction whose values combine with ``base_op`` sends its element
+    counts in its own call (`sum_with_counts`): a SUM across the workers of a fixed
+    job (an elastic job's counts are its step's replicas, `sum_counts`'s)."""
+    topology = parts.topology
+    return base_op is ReduceOp.SUM and topology.num_workers > 1 and not topology.elastic
 
 
 def sum_with_counts(communicator: Communicator, values: Sequence[Sequence[torch.Tensor]],

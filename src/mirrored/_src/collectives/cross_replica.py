@@ -32,7 +32,7 @@ from ..reduction import (
     prepare,
 )
 from ..values import DistributedValues, Mirrored, PerReplica, to_tensor
-from .call import sum_with_counts
+from .call import counts_ride, sum_with_counts
 from .parts import Parts
 
 __all__ = ["check_components", "gather", "reduce"]
@@ -173,8 +173,7 @@ def reduce(parts: Parts, reduce_op: ReduceOp | str, value: Any, axis: Any) -> An
         base_op = jobs[0][1].base_op
         if (op is ReduceOp.MEAN and (worker_values or topology.elastic)) or any(
                 plan.counts for _, plan, _, _ in jobs):  # elastic: the replicas combined
-            if base_op is ReduceOp.SUM and topology.num_workers > 1 and not topology.elastic:
-                # (across workers the counts ride in the sum's call)
+            if counts_ride(parts, base_op):
                 totals, counts = sum_with_counts(communicator, per_replica, local_counts,
                                                  [destination] * len(jobs),
                                                  parts.options.bytes_per_pack)

@@ -299,6 +299,19 @@ def _wait_for(path: pathlib.Path, seconds: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+def _wait_listening(port: int, seconds: float = 30.0) -> None:
+    """Until something accepts connections on ``port`` (a chief that is up): a loaded
+    machine may start the chief seconds after the others, and a fault meant to be seen
+    at once must not turn into the slow "nothing listens" one."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.02)
+
+
 def _sync(flags: pathlib.Path, name: str) -> None:
     """Every rank reaches ``name`` before any goes on (the scenarios take turns)."""
     (flags / f"{name}-{_rank()}").touch()
@@ -316,6 +329,8 @@ def _startup_faults(ports: list[int], directory: str) -> dict:
         out["silent"] = _start(silent, rank, 2)
     _sync(flags, "sizes")
     # WORLD_SIZE differs: worker 0 says 2 workers, worker 1 says 3.
+    if rank == 1:
+        _wait_listening(sizes)
     if rank in (0, 1):
         out["sizes"] = _start(sizes, rank, 2 + rank)
     _sync(flags, "absent")

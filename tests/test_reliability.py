@@ -105,17 +105,22 @@ class Armed:
 
 
 def _in_finalizer(frame) -> bool:
-    """Whether the signal landed in a ``weakref.finalize`` callback (an object of a
-    finished run collected just then): Python swallows an exception raised there as
+    """Whether the signal landed in a weakref callback or a ``__del__`` (an object of
+    a finished run collected just then: a ``weakref.finalize``, a ``WeakSet``'s or a
+    weak dictionary's removal hook): Python swallows an exception raised there as
     "unraisable" (pytest fails the test), so a Ctrl-C there is lost, not delivered,
     whatever the library does. The handler lets such a signal pass."""
     for _ in range(6):
         if frame is None:
             return False
-        if frame.f_code.co_filename.endswith("weakref.py") and frame.f_code.co_name == "__call__":
+        code = frame.f_code
+        if code.co_name == "__del__" or code.co_filename.endswith(_WEAKREF_MODULES):
             return True
         frame = frame.f_back
     return False
+
+
+_WEAKREF_MODULES = ("/weakref.py", "/_weakrefset.py")
 
 
 @pytest.fixture

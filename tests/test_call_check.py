@@ -13,7 +13,13 @@ from hypothesis import strategies as st
 
 import mirrored
 from mirrored._src.comm import trailer
-from mirrored._src.comm.call_identity import CallLedger, UserCall, identity_hash, user_call
+from mirrored._src.comm.call_identity import (
+    CallLedger,
+    UserCall,
+    call_identity,
+    identity_hash,
+    user_call,
+)
 from mirrored._src.comm.cross_call import _CallText
 
 _COMBINE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
@@ -171,6 +177,69 @@ def _reference(kind: str, dtype: torch.dtype, workers: int, values: tuple[int, i
             v = (value >> (k * c)) & ((1 << c) - 1)
             row += (v, v * v) if kind == "sum" else (v, -v)
     return torch.tensor(row, dtype=dtype)
+
+
+@settings(max_examples=60, deadline=None)
+@given(kind=st.sampled_from(["sum", "max", "min"]),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.int32, torch.int64]),
+       workers=st.integers(min_value=2, max_value=16), ident=_HASH, other=_HASH,
+       predicted=_HASH, miss=st.integers(min_value=0, max_value=1))
+def test_the_host_codec_writes_and_checks_what_write_and_holds_do(kind, dtype, workers, ident,
+                                                                   other, predicted, miss):
+    codec = trailer.host_codec(kind, dtype, workers)
+    n = codec.length
+    assert (n, codec.nbytes, codec.kind) == (trailer.length(kind, dtype, workers),
+                                             n * dtype.itemsize, kind)
+    pool = [torch.full((7 + n,), 3, dtype=dtype) for _ in range(2)]  # two pooled buffers
+    for values in ((ident, predicted, miss), (other, predicted, 0), (ident, predicted, miss)):
+        for buffer in pool:  # each address written more than once: its view is kept
+            buffer.fill_(3)
+            reference = torch.full((7 + n,), 3, dtype=dtype)
+            expected = trailer.write(reference, kind, workers, values)
+            end = buffer.data_ptr() + buffer.numel() * dtype.itemsize
+            assert codec.write_at(end, *values) == expected
+            assert torch.equal(buffer, reference)  # the same bytes, the data untouched
+            combined = functools.reduce(_COMBINE[kind], [reference.clone()] * workers)
+            buffer.copy_(combined)  # what the collective leaves when every worker agrees
+            assert codec.holds_at(end, expected) and trailer.holds(combined, expected)
+
+
+def test_the_host_codec_sees_one_worker_that_differs():
+    workers, dtype = 3, torch.float32
+    codec = trailer.host_codec("sum", dtype, workers)
+    rows = [(12345, 678, 0), (12345, 678, 0), (12346, 678, 0)]
+    buffers = [torch.zeros(4 + codec.length) for _ in rows]
+    ends = [b.data_ptr() + b.numel() * 4 for b in buffers]
+    expected = [codec.write_at(end, *row) for end, row in zip(ends, rows, strict=True)]
+    total = functools.reduce(torch.add, buffers)
+    for buffer in buffers:
+        buffer.copy_(total)
+    assert not any(codec.holds_at(end, e) for end, e in zip(ends, expected, strict=True))
+    (same, guess, miss), ok = trailer.decode(total[4:], "sum", workers)
+    assert not ok and same is None and (guess, miss) == (678, 0)
+    with pytest.raises(ValueError, match="float16 over 2 workers carries no trailer"):
+        trailer.host_codec("sum", torch.float16, 2)
+
+
+@settings(max_examples=100, deadline=None)
+@given(fields=st.tuples(*[st.integers(min_value=0, max_value=2**61) for _ in range(5)]),
+       which=st.integers(min_value=0, max_value=4), delta=st.integers(min_value=1, max_value=9))
+def test_a_calls_identity_changes_with_each_of_its_fields(fields, which, delta):
+    ident = call_identity(*fields)
+    assert 0 < ident < 2**62 and ident == call_identity(*fields)
+    changed = list(fields)
+    changed[which] += delta
+    assert call_identity(*changed) != ident
+
+
+def test_a_calls_identity_is_the_same_in_every_process_and_version():
+    # blake2b of the five fields as little-endian uint64: fixed by the format, not by
+    # this interpreter (workers compare it)
+    import hashlib
+    import struct
+    digest = hashlib.blake2b(struct.pack("<5Q", 1, 2, 3, 4, 5), digest_size=8).digest()
+    assert call_identity(1, 2, 3, 4, 5) == int.from_bytes(digest, "little") >> 2
+    assert call_identity(1, 2, 3, 4, 5) == 0x56296dcf44ef469
 
 
 def test_a_trailer_on_a_view_that_is_not_contiguous_is_written_and_read():

@@ -14,7 +14,15 @@ import torch.distributed as dist
 from ..devices import Device
 from ..topology import Topology
 from . import trailer
-from .call_identity import CallLedger, JobLink, UserCall, Wire, identity_hash, user_call
+from .call_identity import (
+    CallLedger,
+    JobLink,
+    UserCall,
+    Wire,
+    call_identity,
+    identity_hash,
+    user_call,
+)
 from .watch import CallWatch, short
 
 __all__ = ["GATHER", "HEAD", "VALUE", "CrossWorkerCalls", "PendingCall"]
@@ -48,8 +56,10 @@ class CrossWorkerCalls:
         self._local_replicas = topology.num_local_replicas
         self._wire = wire
         self._wire_hashes: dict[Wire, int] = {}
-        self._lengths: dict[tuple[str, str, int], int] = {}
-        self._keys: dict[tuple[Any, ...], str] = {}
+        self._codecs: dict[tuple[str, str, int], trailer.HostCodec | None] = {}
+        # a call's key (its text) and the key's hash, per (phase, entry, site, what, wire)
+        self._keys: dict[tuple[Any, ...], tuple[str, int]] = {}
+        self._host = wire.torch_device.type == "cpu"  # trailers written as raw bytes
         self._direct = _direct_all_reduce(group)
         self._flat_gather = True  # (see `_gather_rows`)
 
@@ -68,11 +78,10 @@ class CrossWorkerCalls:
                                f"an earlier failure ({ledger.broken}); restart the job")
         who = user_call()
         known = (ledger.in_run, who.entry, who.site, what, wire)
-        key = self._keys.get(known)
-        if key is None:  # (a loop repeats its calls: the key is kept)
-            if len(self._keys) > 4096:
-                self._keys.clear()
-            key = self._keys[known] = f"{ledger.in_run}|{who}|{what}|{wire}"
+        keyed = self._keys.get(known)
+        if keyed is None:  # (a loop repeats its calls: the key is kept)
+            keyed = self._key(known, f"{ledger.in_run}|{who}|{what}|{wire}")
+        key, key_hash = keyed
         index = ledger.index + 1
         seq, prediction = ledger.enter(key, wire)
         text = _CallText(who, what, index, ledger.in_run, ledger.run)
@@ -80,8 +89,7 @@ class CrossWorkerCalls:
             self._job.note_progress(seq, seq - 1)
             self.watch.fail_if_gone(seq, text)
         check = self._check
-        ident = identity_hash(
-            f"{seq}|{ledger.run}|{index}|{ledger.examples}|{key}") if check else 0
+        ident = call_identity(key_hash, seq, ledger.run, index, ledger.examples) if check else 0
         predicted = self._wire_hash(prediction) if check and prediction else 0
         agreed, ledger.agreed = ledger.agreed, None
         if not check and wire and wire != GATHER:
@@ -89,19 +97,18 @@ class CrossWorkerCalls:
             self._done(seq)
             return []
         if agreed is not None and agreed != GATHER:
-            inside = self._trailer_length(agreed)  # the check rides in the data
+            codec = self._codec(agreed)  # the check rides in the data
             if agreed == wire:  # header and data together
-                if inside:
-                    expected = trailer.write(data[0], wire[0][0], self._world,
-                                             (ident, predicted, 0))
+                if codec is not None:
+                    end, expected = self._stamp(codec, data[0], wire[0][2], ident, predicted, 0)
                     self.watch.wait(self._launch(wire, data, fill), seq, text)
                     same: int | None
                     guess: int | None
                     miss: int | None
-                    if trailer.holds(data[0], expected):  # every worker sent the same
+                    if self._agrees(codec, data[0], end, expected):  # every worker sent the same
                         same, guess, miss = ident, predicted, 0
                     else:
-                        (same, guess, miss), _ = trailer.decode(data[0][-inside:],
+                        (same, guess, miss), _ = trailer.decode(data[0][-codec.length:],
                                                                 wire[0][0], self._world)
                     if miss == 0:
                         if same is None:
@@ -117,7 +124,7 @@ class CrossWorkerCalls:
             else:  # zeros of the agreed sizes, so that every worker sends what it expects
                 dummy = [torch.zeros(n, dtype=getattr(torch, d.removeprefix("torch.")),
                                      device=self._wire.torch_device) for _, d, n in agreed]
-                if inside:
+                if codec is not None:
                     trailer.write(dummy[0], agreed[0][0], self._world, (ident, 0, 1))
                     self.watch.wait(self._launch(agreed, dummy), seq, text)
                 else:
@@ -139,7 +146,11 @@ class CrossWorkerCalls:
         if ledger.broken is not None:
             raise RuntimeError(f"this strategy's cross-worker communication is unusable after "
                                f"an earlier failure ({ledger.broken}); restart the job")
-        key = f"{ledger.in_run}|{what}|{wire}"
+        known = (ledger.in_run, what, wire)
+        keyed = self._keys.get(known)
+        if keyed is None:
+            keyed = self._key(known, f"{ledger.in_run}|{what}|{wire}")
+        key, key_hash = keyed
         index = ledger.index + 1
         seq, prediction = ledger.enter(key, wire)
         ledger.agreed = None  # this call's sizes were agreed another way
@@ -147,29 +158,30 @@ class CrossWorkerCalls:
         if self._job is not None:
             self._job.note_progress(seq, seq - 1)
             self.watch.fail_if_gone(seq, text)
-        inside = self._trailer_length(wire) if self._check else 0
-        predicted, expected = 0, b""
-        if inside:
-            ident = identity_hash(f"{seq}|{ledger.run}|{index}|{ledger.examples}|{key}")
+        codec = self._codec(wire) if self._check else None
+        predicted, end, expected = 0, 0, b""
+        if codec is not None:
+            ident = call_identity(key_hash, seq, ledger.run, index, ledger.examples)
             predicted = self._wire_hash(prediction) if prediction else 0
-            expected = trailer.write(data[0], wire[0][0], self._world, (ident, predicted, 0))
-        return PendingCall(self._launch(wire, data), data[0], wire[0][0], inside, seq, text,
-                           predicted, expected)
+            end, expected = self._stamp(codec, data[0], wire[0][2], ident, predicted, 0)
+        return PendingCall(self._launch(wire, data), data[0], codec, end, seq, text, predicted,
+                           expected)
 
     def finish(self, pending: PendingCall) -> None:
         """Waits for a `launch`ed call; raises `CollectiveMismatchError` (its data
         unused) unless every worker made the same call."""
         self.watch.wait(pending.works, pending.seq, pending.text)
         ledger = self._ledger
-        if pending.inside:
+        codec = pending.codec
+        if codec is not None:
             same: int | None
             guess: int | None
             miss: int | None
-            if trailer.holds(pending.buffer, pending.expected):  # every worker sent the same
-                same, guess, miss = 0, pending.predicted, 0
+            if self._agrees(codec, pending.buffer, pending.end, pending.expected):
+                same, guess, miss = 0, pending.predicted, 0  # every worker sent the same
             else:
-                (same, guess, miss), _ = trailer.decode(pending.buffer[-pending.inside:],
-                                                        pending.kind, self._world)
+                (same, guess, miss), _ = trailer.decode(pending.buffer[-codec.length:],
+                                                        codec.kind, self._world)
             if same is None or miss != 0:
                 self.watch.mismatch(pending.seq, pending.text)
             if pending.seq == ledger.seq:  # the latest call: its prediction may stand
@@ -191,17 +203,45 @@ class CrossWorkerCalls:
             known = self._wire_hashes[wire] = identity_hash(repr(wire))
         return known
 
-    def _trailer_length(self, wire: Wire) -> int:
-        """The trailer a call of these wire sizes carries in its first pack (0: none)."""
-        if not wire or wire[0][0] not in ("sum", "min", "max"):
-            return 0
-        known = self._lengths.get(wire[0])
-        if known is None:
-            dtype = getattr(torch, wire[0][1].removeprefix("torch."))
-            if len(self._lengths) > 4096:
-                self._lengths.clear()
-            known = self._lengths[wire[0]] = trailer.length(wire[0][0], dtype, self._world)
-        return known
+    def _key(self, known: tuple[Any, ...], key: str) -> tuple[str, int]:
+        if len(self._keys) > 4096:
+            self._keys.clear()
+        keyed = self._keys[known] = (key, identity_hash(key))
+        return keyed
+
+    def _codec(self, wire: Wire) -> trailer.HostCodec | None:
+        """The trailer codec of a call of these wire sizes (its first pack carries the
+        trailer; ``None``: no trailer)."""
+        if not wire:
+            return None
+        try:
+            return self._codecs[wire[0]]
+        except KeyError:
+            pass
+        kind, dtype_name, _ = wire[0]
+        dtype = getattr(torch, dtype_name.removeprefix("torch."), None)
+        codec = (trailer.host_codec(kind, dtype, self._world) if kind in ("sum", "min", "max")
+                 and isinstance(dtype, torch.dtype)
+                 and trailer.length(kind, dtype, self._world) else None)
+        if len(self._codecs) > 4096:
+            self._codecs.clear()
+        self._codecs[wire[0]] = codec
+        return codec
+
+    def _stamp(self, codec: trailer.HostCodec, buffer: torch.Tensor, numel: int, ident: int,
+               predicted: int, miss: int) -> tuple[int, bytes]:
+        """Writes the trailer at the end of ``buffer`` (``numel`` elements) -> (the
+        address where it ends on the host, 0 on a device; what the combined trailer
+        holds when every worker sent the same)."""
+        if self._host:  # (a pooled, contiguous host buffer: see `HostCodec`)
+            end = buffer.data_ptr() + numel * codec.itemsize
+            return end, codec.write_at(end, ident, predicted, miss)
+        return 0, trailer.write(buffer, codec.kind, self._world, (ident, predicted, miss))
+
+    def _agrees(self, codec: trailer.HostCodec, buffer: torch.Tensor, end: int,
+                expected: bytes) -> bool:
+        """Whether every worker sent this worker's trailer (see `_stamp`)."""
+        return codec.holds_at(end, expected) if end else trailer.holds(buffer, expected)
 
     def _done(self, seq: int) -> None:
         self._ledger.completed = seq
@@ -296,13 +336,14 @@ class _CallText:
 
 
 class PendingCall:
-    """A `CrossWorkerCalls.launch`ed call: its collectives (``works``), the buffer whose
-    last ``inside`` elements are the trailer, and the call's number and name."""
+    """A `CrossWorkerCalls.launch`ed call: its collectives (``works``), the buffer that
+    ends with the trailer (``codec``'s; ``None``: none) where ``end`` says (see
+    `CrossWorkerCalls._stamp`), and the call's number and name."""
 
-    __slots__ = ("buffer", "expected", "inside", "kind", "predicted", "seq", "text", "works")
+    __slots__ = ("buffer", "codec", "end", "expected", "predicted", "seq", "text", "works")
 
-    def __init__(self, works: list[Any], buffer: torch.Tensor, kind: str, inside: int,
-                 seq: int, text: str, predicted: int, expected: bytes = b"") -> None:
-        self.works, self.buffer, self.kind, self.inside = works, buffer, kind, inside
+    def __init__(self, works: list[Any], buffer: torch.Tensor, codec: trailer.HostCodec | None,
+                 end: int, seq: int, text: str, predicted: int, expected: bytes = b"") -> None:
+        self.works, self.buffer, self.codec, self.end = works, buffer, codec, end
         self.seq, self.text, self.predicted = seq, text, predicted
         self.expected = expected  # the combined trailer when every worker sent the same

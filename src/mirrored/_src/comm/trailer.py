@@ -24,7 +24,7 @@ import struct
 
 import torch
 
-__all__ = ["FIELDS", "decode", "holds", "length", "write"]
+__all__ = ["FIELDS", "HostCodec", "decode", "holds", "host_codec", "length", "write"]
 
 FIELDS = (62, 62, 1)  # identity, predicted next sizes, miss
 _EXACT = {torch.float32: 24, torch.float64: 53, torch.int32: 31, torch.int64: 63}
@@ -92,17 +92,16 @@ def _tail(kind: str, dtype: torch.dtype, workers: int, predicted: int, miss: int
     return array.array(code, row).tobytes(), array.array(code, combined).tobytes()
 
 
-def write(buffer: torch.Tensor, kind: str, workers: int, values: tuple[int, ...]) -> bytes:
-    """Writes the trailer of ``values`` (one per field) into the last `length`
-    elements of ``buffer``; returns the bytes that the combined trailer holds when
-    every worker wrote the same ``values`` (see `holds`)."""
-    dtype = buffer.dtype
-    c, shifts, n, sent, combined_pairs = _layout(kind, dtype, workers)
+def _encode(kind: str, dtype: torch.dtype, workers: int, values: tuple[int, ...]
+            ) -> tuple[bytes, bytes]:
+    """The trailer of ``values`` as raw bytes: as this worker sends it, and as it
+    combines when every worker sent the same."""
+    c, shifts, _, sent, combined_pairs = _layout(kind, dtype, workers)
     ident, predicted, miss = values
-    mask = (1 << c) - 1
-    chunks = [(ident >> k) & mask for k in shifts]
     tail, combined_tail = _tail(kind, dtype, workers, predicted, miss)
     if c <= 12:
+        mask = (1 << c) - 1
+        chunks = [(ident >> k) & mask for k in shifts]
         head = b"".join([sent[v] for v in chunks])
         combined = b"".join([combined_pairs[v] for v in chunks])
     else:
@@ -111,13 +110,101 @@ def write(buffer: torch.Tensor, kind: str, workers: int, values: tuple[int, ...]
         head = array.array(code, row).tobytes()
         combined = array.array(code, [workers * v for v in row] if kind == "sum" else row
                                ).tobytes()
-    raw = head + tail  # exact small integers, as raw bytes
+    return head + tail, combined + combined_tail  # exact small integers, as raw bytes
+
+
+def write(buffer: torch.Tensor, kind: str, workers: int, values: tuple[int, ...]) -> bytes:
+    """Writes the trailer of ``values`` (one per field) into the last `length`
+    elements of ``buffer``; returns the bytes that the combined trailer holds when
+    every worker wrote the same ``values`` (see `holds`)."""
+    dtype = buffer.dtype
+    raw, expected = _encode(kind, dtype, workers, values)
+    n = len(raw) // buffer.element_size()
     if buffer.is_cpu and buffer.is_contiguous() and not buffer.requires_grad:
         ctypes.memmove(buffer.data_ptr() + (buffer.numel() - n) * buffer.element_size(),
                        raw, len(raw))
     else:
         buffer[-n:].copy_(torch.frombuffer(bytearray(raw), dtype=dtype))
-    return combined + combined_tail
+    return expected
+
+
+class HostCodec:
+    """`write` and `holds` for the trailers of one (kind, dtype, workers) in host
+    memory, addressed by where a trailer ends (``end``: the address one past its last
+    byte), for the hot path of a checked call: what `write` looks up per call is
+    looked up once here, and the trailer's bytes are read and written through a
+    ``memoryview`` kept per address (a loop's pooled buffers come back to the same
+    few addresses). Measured after a cache-evicting copy, as a call runs between its
+    collectives: the identity's encoding, write and check took about 80 µs through
+    `write` and `holds`, against about 25 µs here.
+
+    Example:
+        >>> codec = host_codec("sum", torch.float32, 2)
+        >>> buffer = torch.zeros(3 + codec.length)
+        >>> end = buffer.data_ptr() + buffer.numel() * 4
+        >>> expected = codec.write_at(end, 12345, 678, 0)
+        >>> codec.holds_at(end, expected)  # this worker's trailer, not yet combined
+        False
+        >>> _ = buffer.mul_(2)  # what a SUM over 2 workers that sent the same makes
+        >>> codec.holds_at(end, expected)
+        True
+    """
+
+    __slots__ = ("_combined", "_dtype", "_mask", "_sent", "_shifts", "_tails", "_views", "_wide",
+                 "_workers", "itemsize", "kind", "length", "nbytes")
+
+    def __init__(self, kind: str, dtype: torch.dtype, workers: int) -> None:
+        c, shifts, n, sent, combined = _layout(kind, dtype, workers)
+        self.itemsize = dtype.itemsize
+        self.length, self.nbytes = n, n * dtype.itemsize
+        self.kind, self._dtype, self._workers = kind, dtype, workers
+        self._mask, self._shifts, self._sent, self._combined = (1 << c) - 1, shifts, sent, combined
+        self._wide = c > 12  # chunks too wide for a table: packed per call
+        self._tails: dict[tuple[int, int], tuple[bytes, bytes]] = {}
+        self._views: dict[int, memoryview] = {}
+
+    def write_at(self, end: int, ident: int, predicted: int, miss: int) -> bytes:
+        """Writes the trailer of (``ident``, ``predicted``, ``miss``) into the
+        `nbytes` before address ``end`` (host memory this caller owns); returns what
+        `holds_at` expects (see `write`)."""
+        tail = self._tails.get((predicted, miss))
+        if tail is None:
+            if len(self._tails) > 256:
+                self._tails.clear()
+            tail = self._tails[predicted, miss] = _tail(self.kind, self._dtype, self._workers,
+                                                        predicted, miss)
+        if self._wide:
+            raw, expected = _encode(self.kind, self._dtype, self._workers,
+                                    (ident, predicted, miss))
+            self._view(end)[:] = raw
+            return expected
+        mask, sent, combined = self._mask, self._sent, self._combined
+        chunks = [(ident >> k) & mask for k in self._shifts]
+        self._view(end)[:] = b"".join([sent[v] for v in chunks]) + tail[0]
+        return b"".join([combined[v] for v in chunks]) + tail[1]
+
+    def holds_at(self, end: int, expected: bytes) -> bool:
+        """Whether the combined trailer ending at ``end`` is exactly ``expected``
+        (see `holds`)."""
+        return self._view(end) == expected
+
+    def _view(self, end: int) -> memoryview:
+        view = self._views.get(end)
+        if view is None:
+            if len(self._views) > 64:
+                self._views.clear()
+            array_type = ctypes.c_char * self.nbytes
+            view = self._views[end] = memoryview(
+                array_type.from_address(end - self.nbytes)).cast("B")
+        return view
+
+
+@functools.lru_cache(maxsize=64)
+def host_codec(kind: str, dtype: torch.dtype, workers: int) -> HostCodec:
+    """The `HostCodec` of a trailer that `length` says this pack can carry."""
+    if not length(kind, dtype, workers):
+        raise ValueError(f"a {kind} of {dtype} over {workers} workers carries no trailer")
+    return HostCodec(kind, dtype, workers)
 
 
 def holds(buffer: torch.Tensor, expected: bytes) -> bool:

@@ -134,9 +134,9 @@ class HostCodec:
     byte), for the hot path of a checked call: what `write` looks up per call is
     looked up once here, and the trailer's bytes are read and written through a
     ``memoryview`` kept per address (a loop's pooled buffers come back to the same
-    few addresses). Measured after a cache-evicting copy, as a call runs between its
-    collectives: the identity's encoding, write and check took about 80 µs through
-    `write` and `holds`, against about 25 µs here.
+    few addresses). Measured right after a cache-evicting copy, as a call runs between
+    its collectives: writing and checking a float32 trailer took 108 µs through
+    `write` and `holds`, 57 µs here.
 
     Example:
         >>> codec = host_codec("sum", torch.float32, 2)

@@ -69,9 +69,12 @@ class CallWatch:
                     # (at least 1 ms: torch reads a 0 ms timeout as "no timeout")
                     if work.wait(datetime.timedelta(seconds=max(0.001, left))) is not False:
                         break  # (Gloo's wait returns False at the end of the poll)
-                except RuntimeError as error:  # Gloo: "timed out" at the end of each poll
-                    if work.is_completed():  # a real failure, not the end of one poll
-                        self._broken_link(error, seq, text, time.monotonic() - start)
+                except RuntimeError:  # Gloo: "timed out" at the end of each poll
+                    if work.is_completed():  # failed, or done right after the poll ended
+                        failure = self._failure(work)
+                        if failure is not None:
+                            self._broken_link(failure, seq, text, time.monotonic() - start)
+                        break
                 if self._job is not None:
                     self.fail_if_gone(seq, text)
                 if deadline is not None and time.monotonic() >= deadline:
@@ -79,6 +82,19 @@ class CallWatch:
                         f"worker {self._me} waited {self._timeout:g} s in "
                         f"{text} (collective #{seq}) for peers that never joined"
                         f"{self._progress_text()}"))
+
+    @staticmethod
+    def _failure(work: Any) -> RuntimeError | None:
+        """The failure of a completed ``work`` whose wait raised (``None``: it
+        succeeded). A poll's wait raises "timed out" when the work is not done at the
+        poll's end, and the work may complete right after, before ``is_completed`` is
+        asked (seen under load, at a job's first calls): a wait on a completed work
+        returns at once, or raises its failure."""
+        try:
+            work.wait(datetime.timedelta(seconds=0.001))
+        except RuntimeError as failure:
+            return failure
+        return None
 
     def _broken_link(self, error: RuntimeError, seq: int, text: object, waited: float
                      ) -> NoReturn:

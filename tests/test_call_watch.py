@@ -42,6 +42,23 @@ class _Failed:
         return True
 
 
+class _FailsAsThePollEnds:
+    """A poll ends ("timed out"), then the work completes with a failure before the
+    waiter asks ``is_completed``: the failure, not the poll's end, is reported."""
+
+    def __init__(self) -> None:
+        self.completed = False
+
+    def wait(self, timeout: datetime.timedelta) -> bool:
+        if not self.completed:
+            self.completed = True
+            raise RuntimeError("Operation timed out!")
+        raise RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+
+    def is_completed(self) -> bool:
+        return self.completed
+
+
 class _Never:
     def wait(self, timeout: datetime.timedelta) -> bool:
         time.sleep(timeout.total_seconds())
@@ -65,6 +82,14 @@ def test_a_failed_work_is_a_worker_failure_naming_the_process_groups_error():
                        r".*Connection closed by peer\)"):
         CallWatch(None, ledger, 1, 5.0).wait([_Failed()], 3, "reduce_packed(SUM)")
     assert ledger.broken is not None and "Connection closed by peer" in ledger.broken
+
+
+def test_a_work_that_fails_as_its_poll_ends_names_its_failure_not_the_poll():
+    ledger = CallLedger()
+    with pytest.raises(WorkerFailureError, match=r"the process group failed \(RuntimeError: "
+                       r".*Connection closed by peer\)") as caught:
+        CallWatch(None, ledger, 0, 5.0).wait([_FailsAsThePollEnds()], 4, "agree(steps)")
+    assert "timed out" not in str(caught.value)
 
 
 def test_a_work_that_never_completes_times_out_within_the_bound():

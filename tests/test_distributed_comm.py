@@ -363,6 +363,27 @@ def test_chunks_cover_the_buffer_and_copy_the_source() -> None:
     assert small[:10].tolist() == [1.0] * 6 + [0.0] * 4 and bool((small[10:] == -1).all())
 
 
+def _replica_counts(comm: DistributedCommunicator, topology: Topology) -> list[bool]:
+    # The same leaves from one replica, then from two: one collective over the leaves,
+    # then a flat local sum in chunks (`CHUNKS`): a plan of its own each, so the call's
+    # wire sizes, and where its trailer ends, are the buffer's.
+    from mirrored._src.comm.distributed import CHUNK_MIN_BYTES
+
+    def inputs(worker: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(worker)
+        return torch.randn(CHUNK_MIN_BYTES // 4 + 7, generator=g), torch.randn(3, 5, generator=g)
+
+    a, b = inputs(topology.worker_index)
+    everyone = [inputs(w) for w in range(topology.num_workers)]
+    want_a, want_b = sum(x for x, _ in everyone), sum(y for _, y in everyone)
+    out = []
+    for replicas in (1, 1, 1, 2, 2, 1):
+        got = comm.reduce_packed(ReduceOp.SUM, [[a, b]] * replicas, [topology.devices] * 2, 0)
+        out.append(torch.allclose(got[0][0], replicas * want_a, rtol=1e-6, atol=1e-5)
+                   and torch.allclose(got[1][0], replicas * want_b, rtol=1e-6, atol=1e-5))
+    return out
+
+
 def _against_raw(comm: DistributedCommunicator, topology: Topology) -> bool:
     from mirrored._src.comm import trailer
 
@@ -373,6 +394,12 @@ def _against_raw(comm: DistributedCommunicator, topology: Topology) -> bool:
     raw = torch.cat([x, torch.zeros(extra)])
     torch.distributed.all_reduce(raw)
     return torch.equal(ours, raw[:_BIG])
+
+
+@pytest.mark.timeout(120)
+def test_one_and_two_local_replicas_of_the_same_leaves_are_two_plans() -> None:
+    results = _spawn(_replica_counts, 2)
+    assert results == {0: ("ok", [True] * 6), 1: ("ok", [True] * 6)}, results
 
 
 @pytest.mark.timeout(120)

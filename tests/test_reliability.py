@@ -114,13 +114,17 @@ def _in_finalizer(frame) -> bool:
         if frame is None:
             return False
         code = frame.f_code
-        if code.co_name == "__del__" or code.co_filename.endswith(_WEAKREF_MODULES):
+        if code.co_name == "__del__" or (code.co_filename.endswith(_WEAKREF_MODULES)
+                                         and code.co_name in _WEAKREF_CALLBACKS):
             return True
         frame = frame.f_back
     return False
 
 
 _WEAKREF_MODULES = ("/weakref.py", "/_weakrefset.py")
+# the callbacks these modules hand to weakrefs and atexit (finalize, WeakSet, the weak
+# dictionaries), not their ordinary methods
+_WEAKREF_CALLBACKS = frozenset({"__call__", "remove", "_remove", "_exitfunc"})
 
 
 @pytest.fixture

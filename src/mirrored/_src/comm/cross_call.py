@@ -100,7 +100,7 @@ class CrossWorkerCalls:
             codec = self._codec(agreed)  # the check rides in the data
             if agreed == wire:  # header and data together
                 if codec is not None:
-                    end, expected = self._stamp(codec, data[0], wire[0][2], ident, predicted, 0)
+                    end, expected = self._stamp(codec, data[0], ident, predicted, 0)
                     self.watch.wait(self._launch(wire, data, fill), seq, text)
                     same: int | None
                     guess: int | None
@@ -163,7 +163,7 @@ class CrossWorkerCalls:
         if codec is not None:
             ident = call_identity(key_hash, seq, ledger.run, index, ledger.examples)
             predicted = self._wire_hash(prediction) if prediction else 0
-            end, expected = self._stamp(codec, data[0], wire[0][2], ident, predicted, 0)
+            end, expected = self._stamp(codec, data[0], ident, predicted, 0)
         return PendingCall(self._launch(wire, data), data[0], codec, end, seq, text, predicted,
                            expected)
 
@@ -228,13 +228,13 @@ class CrossWorkerCalls:
         self._codecs[wire[0]] = codec
         return codec
 
-    def _stamp(self, codec: trailer.HostCodec, buffer: torch.Tensor, numel: int, ident: int,
+    def _stamp(self, codec: trailer.HostCodec, buffer: torch.Tensor, ident: int,
                predicted: int, miss: int) -> tuple[int, bytes]:
-        """Writes the trailer at the end of ``buffer`` (``numel`` elements) -> (the
-        address where it ends on the host, 0 on a device; what the combined trailer
-        holds when every worker sent the same)."""
-        if self._host:  # (a pooled, contiguous host buffer: see `HostCodec`)
-            end = buffer.data_ptr() + numel * codec.itemsize
+        """Writes the trailer at the end of ``buffer`` -> (the address where it ends on
+        the host, 0 on a device or in a strided view; what the combined trailer holds
+        when every worker sent the same)."""
+        if self._host and buffer.is_contiguous():  # (a pooled host buffer: `HostCodec`)
+            end = buffer.data_ptr() + buffer.numel() * codec.itemsize
             return end, codec.write_at(end, ident, predicted, miss)
         return 0, trailer.write(buffer, codec.kind, self._world, (ident, predicted, miss))
 

@@ -144,7 +144,8 @@ class DistributedCommunicator:
         see `Communicator.reduce_packed`."""
         first = per_replica[0]
         # A training loop repeats its calls: their packs and description are kept.
-        key = (reduce_op, bytes_per_pack, *map(_META, first), *map(id, destinations))
+        key = (reduce_op, bytes_per_pack, len(per_replica), *map(_META, first),
+               *map(id, destinations))
         known = self._plans.get(key)
         if known is None:
             known = _plan(reduce_op, first, destinations, bytes_per_pack,

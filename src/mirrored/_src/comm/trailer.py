@@ -167,17 +167,17 @@ class HostCodec:
         """Writes the trailer of (``ident``, ``predicted``, ``miss``) into the
         `nbytes` before address ``end`` (host memory this caller owns); returns what
         `holds_at` expects (see `write`)."""
+        if self._wide:
+            raw, expected = _encode(self.kind, self._dtype, self._workers,
+                                    (ident, predicted, miss))
+            self._view(end)[:] = raw
+            return expected
         tail = self._tails.get((predicted, miss))
         if tail is None:
             if len(self._tails) > 256:
                 self._tails.clear()
             tail = self._tails[predicted, miss] = _tail(self.kind, self._dtype, self._workers,
                                                         predicted, miss)
-        if self._wide:
-            raw, expected = _encode(self.kind, self._dtype, self._workers,
-                                    (ident, predicted, miss))
-            self._view(end)[:] = raw
-            return expected
         mask, sent, combined = self._mask, self._sent, self._combined
         chunks = [(ident >> k) & mask for k in self._shifts]
         self._view(end)[:] = b"".join([sent[v] for v in chunks]) + tail[0]

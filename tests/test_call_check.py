@@ -184,9 +184,9 @@ def _reference(kind: str, dtype: torch.dtype, workers: int, values: tuple[int, i
        dtype=st.sampled_from([torch.float32, torch.float64, torch.int32, torch.int64]),
        workers=st.integers(min_value=2, max_value=16), ident=_HASH, other=_HASH,
        predicted=_HASH, miss=st.integers(min_value=0, max_value=1))
-def test_the_host_codec_writes_and_checks_what_write_and_holds_do(kind, dtype, workers, ident,
+def test_the_codec_writes_and_checks_what_write_and_holds_do(kind, dtype, workers, ident,
                                                                    other, predicted, miss):
-    codec = trailer.host_codec(kind, dtype, workers)
+    codec = trailer.codec_of(kind, dtype, workers)
     n = codec.length
     assert (n, codec.nbytes, codec.kind) == (trailer.length(kind, dtype, workers),
                                              n * dtype.itemsize, kind)
@@ -204,9 +204,9 @@ def test_the_host_codec_writes_and_checks_what_write_and_holds_do(kind, dtype, w
             assert codec.holds_at(end, expected) and trailer.holds(combined, expected)
 
 
-def test_the_host_codec_sees_one_worker_that_differs():
+def test_the_codec_sees_one_worker_that_differs():
     workers, dtype = 3, torch.float32
-    codec = trailer.host_codec("sum", dtype, workers)
+    codec = trailer.codec_of("sum", dtype, workers)
     rows = [(12345, 678, 0), (12345, 678, 0), (12346, 678, 0)]
     buffers = [torch.zeros(4 + codec.length) for _ in rows]
     ends = [b.data_ptr() + b.numel() * 4 for b in buffers]
@@ -218,7 +218,7 @@ def test_the_host_codec_sees_one_worker_that_differs():
     (same, guess, miss), ok = trailer.decode(total[4:], "sum", workers)
     assert not ok and same is None and (guess, miss) == (678, 0)
     with pytest.raises(ValueError, match="float16 over 2 workers carries no trailer"):
-        trailer.host_codec("sum", torch.float16, 2)
+        trailer.codec_of("sum", torch.float16, 2)
 
 
 @settings(max_examples=100, deadline=None)

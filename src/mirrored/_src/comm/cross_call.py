@@ -56,7 +56,7 @@ class CrossWorkerCalls:
         self._local_replicas = topology.num_local_replicas
         self._wire = wire
         self._wire_hashes: dict[Wire, int] = {}
-        self._codecs: dict[tuple[str, str, int], trailer.HostCodec | None] = {}
+        self._codecs: dict[tuple[str, str, int], trailer.Codec | None] = {}
         # a call's key (its text) and the key's hash, per (phase, entry, site, what, wire)
         self._keys: dict[tuple[Any, ...], tuple[str, int]] = {}
         self._host = wire.torch_device.type == "cpu"  # trailers written as raw bytes
@@ -102,16 +102,9 @@ class CrossWorkerCalls:
                 if codec is not None:
                     end, expected = self._stamp(codec, data[0], ident, predicted, 0)
                     self.watch.wait(self._launch(wire, data, fill), seq, text)
-                    same: int | None
-                    guess: int | None
-                    miss: int | None
-                    if self._agrees(codec, data[0], end, expected):  # every worker sent the same
-                        same, guess, miss = ident, predicted, 0
-                    else:
-                        (same, guess, miss), _ = trailer.decode(data[0][-codec.length:],
-                                                                wire[0][0], self._world)
+                    same, guess, miss = self._read(codec, data[0], end, expected, predicted)
                     if miss == 0:
-                        if same is None:
+                        if not same:
                             self.watch.mismatch(seq, text)
                         ledger.agreed = ledger.predicted if guess == predicted != 0 else None
                         self._done(seq)
@@ -172,17 +165,10 @@ class CrossWorkerCalls:
         unused) unless every worker made the same call."""
         self.watch.wait(pending.works, pending.seq, pending.text)
         ledger = self._ledger
-        codec = pending.codec
-        if codec is not None:
-            same: int | None
-            guess: int | None
-            miss: int | None
-            if self._agrees(codec, pending.buffer, pending.end, pending.expected):
-                same, guess, miss = 0, pending.predicted, 0  # every worker sent the same
-            else:
-                (same, guess, miss), _ = trailer.decode(pending.buffer[-codec.length:],
-                                                        codec.kind, self._world)
-            if same is None or miss != 0:
+        if pending.codec is not None:
+            same, guess, miss = self._read(pending.codec, pending.buffer, pending.end,
+                                           pending.expected, pending.predicted)
+            if not same or miss != 0:
                 self.watch.mismatch(pending.seq, pending.text)
             if pending.seq == ledger.seq:  # the latest call: its prediction may stand
                 ledger.agreed = ledger.predicted if guess == pending.predicted != 0 else None
@@ -209,7 +195,7 @@ class CrossWorkerCalls:
         keyed = self._keys[known] = (key, identity_hash(key))
         return keyed
 
-    def _codec(self, wire: Wire) -> trailer.HostCodec | None:
+    def _codec(self, wire: Wire) -> trailer.Codec | None:
         """The trailer codec of a call of these wire sizes (its first pack carries the
         trailer; ``None``: no trailer)."""
         if not wire:
@@ -220,7 +206,7 @@ class CrossWorkerCalls:
             pass
         kind, dtype_name, _ = wire[0]
         dtype = getattr(torch, dtype_name.removeprefix("torch."), None)
-        codec = (trailer.host_codec(kind, dtype, self._world) if kind in ("sum", "min", "max")
+        codec = (trailer.codec_of(kind, dtype, self._world) if kind in ("sum", "min", "max")
                  and isinstance(dtype, torch.dtype)
                  and trailer.length(kind, dtype, self._world) else None)
         if len(self._codecs) > 4096:
@@ -228,20 +214,27 @@ class CrossWorkerCalls:
         self._codecs[wire[0]] = codec
         return codec
 
-    def _stamp(self, codec: trailer.HostCodec, buffer: torch.Tensor, ident: int,
+    def _stamp(self, codec: trailer.Codec, buffer: torch.Tensor, ident: int,
                predicted: int, miss: int) -> tuple[int, bytes]:
         """Writes the trailer at the end of ``buffer`` -> (the address where it ends on
         the host, 0 on a device or in a strided view; what the combined trailer holds
         when every worker sent the same)."""
-        if self._host and buffer.is_contiguous():  # (a pooled host buffer: `HostCodec`)
+        if self._host and buffer.is_contiguous():  # (a pooled host buffer: `Codec`)
             end = buffer.data_ptr() + buffer.numel() * codec.itemsize
             return end, codec.write_at(end, ident, predicted, miss)
         return 0, trailer.write(buffer, codec.kind, self._world, (ident, predicted, miss))
 
-    def _agrees(self, codec: trailer.HostCodec, buffer: torch.Tensor, end: int,
-                expected: bytes) -> bool:
-        """Whether every worker sent this worker's trailer (see `_stamp`)."""
-        return codec.holds_at(end, expected) if end else trailer.holds(buffer, expected)
+    def _read(self, codec: trailer.Codec, buffer: torch.Tensor, end: int, expected: bytes,
+              predicted: int) -> tuple[bool, int | None, int | None]:
+        """The combined trailer of a `_stamp`ed ``buffer`` -> (whether every worker made
+        this call, the prediction they share (``None``: they differ), the miss flag).
+        Every worker sent this worker's trailer when it holds ``expected`` (one byte
+        comparison); only otherwise is it decoded, field by field."""
+        if codec.holds_at(end, expected) if end else trailer.holds(buffer, expected):
+            return True, predicted, 0
+        (same, guess, miss), _ = trailer.decode(buffer[-codec.length:], codec.kind,
+                                                self._world)
+        return same is not None, guess, miss
 
     def _done(self, seq: int) -> None:
         self._ledger.completed = seq
@@ -342,7 +335,7 @@ class PendingCall:
 
     __slots__ = ("buffer", "codec", "end", "expected", "predicted", "seq", "text", "works")
 
-    def __init__(self, works: list[Any], buffer: torch.Tensor, codec: trailer.HostCodec | None,
+    def __init__(self, works: list[Any], buffer: torch.Tensor, codec: trailer.Codec | None,
                  end: int, seq: int, text: str, predicted: int, expected: bytes = b"") -> None:
         self.works, self.buffer, self.codec, self.end = works, buffer, codec, end
         self.seq, self.text, self.predicted = seq, text, predicted

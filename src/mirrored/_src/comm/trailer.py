@@ -24,7 +24,7 @@ import struct
 
 import torch
 
-__all__ = ["FIELDS", "HostCodec", "decode", "holds", "host_codec", "length", "write"]
+__all__ = ["FIELDS", "Codec", "codec_of", "decode", "holds", "length", "write"]
 
 FIELDS = (62, 62, 1)  # identity, predicted next sizes, miss
 _EXACT = {torch.float32: 24, torch.float64: 53, torch.int32: 31, torch.int64: 63}
@@ -80,11 +80,10 @@ def _layout(kind: str, dtype: torch.dtype, workers: int
     return c, range(0, k * c, c), length(kind, dtype, workers), sent, combined
 
 
-@functools.lru_cache(maxsize=256)
 def _tail(kind: str, dtype: torch.dtype, workers: int, predicted: int, miss: int
           ) -> tuple[bytes, bytes]:
-    """The bytes of the fields after the identity (a loop repeats them): what this
-    worker sends, and what every worker's sending the same combines to."""
+    """The bytes of the fields after the identity (`Codec` keeps them: a loop repeats
+    them): what this worker sends, and what every worker's sending the same combines to."""
     c = _bits(kind, dtype, workers)
     row = _pairs(kind, predicted, FIELDS[1], c) + _pairs(kind, miss, FIELDS[2], c)
     combined = [workers * v for v in row] if kind == "sum" else row
@@ -92,33 +91,12 @@ def _tail(kind: str, dtype: torch.dtype, workers: int, predicted: int, miss: int
     return array.array(code, row).tobytes(), array.array(code, combined).tobytes()
 
 
-def _encode(kind: str, dtype: torch.dtype, workers: int, values: tuple[int, ...]
-            ) -> tuple[bytes, bytes]:
-    """The trailer of ``values`` as raw bytes: as this worker sends it, and as it
-    combines when every worker sent the same."""
-    c, shifts, _, sent, combined_pairs = _layout(kind, dtype, workers)
-    ident, predicted, miss = values
-    tail, combined_tail = _tail(kind, dtype, workers, predicted, miss)
-    if c <= 12:
-        mask = (1 << c) - 1
-        chunks = [(ident >> k) & mask for k in shifts]
-        head = b"".join([sent[v] for v in chunks])
-        combined = b"".join([combined_pairs[v] for v in chunks])
-    else:
-        row = _pairs(kind, ident, FIELDS[0], c)
-        code = _CODES[dtype]
-        head = array.array(code, row).tobytes()
-        combined = array.array(code, [workers * v for v in row] if kind == "sum" else row
-                               ).tobytes()
-    return head + tail, combined + combined_tail  # exact small integers, as raw bytes
-
-
 def write(buffer: torch.Tensor, kind: str, workers: int, values: tuple[int, ...]) -> bytes:
     """Writes the trailer of ``values`` (one per field) into the last `length`
     elements of ``buffer``; returns the bytes that the combined trailer holds when
     every worker wrote the same ``values`` (see `holds`)."""
     dtype = buffer.dtype
-    raw, expected = _encode(kind, dtype, workers, values)
+    raw, expected = codec_of(kind, dtype, workers).encode(*values)
     n = len(raw) // buffer.element_size()
     if buffer.is_cpu and buffer.is_contiguous() and not buffer.requires_grad:
         ctypes.memmove(buffer.data_ptr() + (buffer.numel() - n) * buffer.element_size(),
@@ -128,18 +106,18 @@ def write(buffer: torch.Tensor, kind: str, workers: int, values: tuple[int, ...]
     return expected
 
 
-class HostCodec:
-    """`write` and `holds` for the trailers of one (kind, dtype, workers) in host
-    memory, addressed by where a trailer ends (``end``: the address one past its last
-    byte), for the hot path of a checked call: what `write` looks up per call is
-    looked up once here, and the trailer's bytes are read and written through a
-    ``memoryview`` kept per address (a loop's pooled buffers come back to the same
-    few addresses). Measured right after a cache-evicting copy, as a call runs between
-    its collectives: writing and checking a float32 trailer took 108 µs through
-    `write` and `holds`, 57 µs here.
+class Codec:
+    """The trailers of one (kind, dtype, workers): `encode` with what it needs looked
+    up once, and for host buffers, on a checked call's hot path, `write_at` and
+    `holds_at`, addressed by where a trailer ends (``end``: the address one past its
+    last byte) and read and written through a ``memoryview`` kept per address (a
+    loop's pooled buffers come back to the same few addresses). Measured right after
+    a cache-evicting copy, as a call runs between its collectives: writing and
+    checking a float32 trailer took 108 µs through `write` and `holds`, 57 µs through
+    `write_at` and `holds_at`.
 
     Example:
-        >>> codec = host_codec("sum", torch.float32, 2)
+        >>> codec = codec_of("sum", torch.float32, 2)
         >>> buffer = torch.zeros(3 + codec.length)
         >>> end = buffer.data_ptr() + buffer.numel() * 4
         >>> expected = codec.write_at(end, 12345, 678, 0)
@@ -150,7 +128,7 @@ class HostCodec:
         True
     """
 
-    __slots__ = ("_combined", "_dtype", "_mask", "_sent", "_shifts", "_tails", "_views", "_wide",
+    __slots__ = ("_c", "_combined", "_dtype", "_mask", "_sent", "_shifts", "_tails", "_views",
                  "_workers", "itemsize", "kind", "length", "nbytes")
 
     def __init__(self, kind: str, dtype: torch.dtype, workers: int) -> None:
@@ -158,30 +136,38 @@ class HostCodec:
         self.itemsize = dtype.itemsize
         self.length, self.nbytes = n, n * dtype.itemsize
         self.kind, self._dtype, self._workers = kind, dtype, workers
-        self._mask, self._shifts, self._sent, self._combined = (1 << c) - 1, shifts, sent, combined
-        self._wide = c > 12  # chunks too wide for a table: packed per call
+        self._c, self._mask, self._shifts = c, (1 << c) - 1, shifts
+        self._sent, self._combined = sent, combined
         self._tails: dict[tuple[int, int], tuple[bytes, bytes]] = {}
         self._views: dict[int, memoryview] = {}
 
-    def write_at(self, end: int, ident: int, predicted: int, miss: int) -> bytes:
-        """Writes the trailer of (``ident``, ``predicted``, ``miss``) into the
-        `nbytes` before address ``end`` (host memory this caller owns); returns what
-        `holds_at` expects (see `write`)."""
-        if self._wide:
-            raw, expected = _encode(self.kind, self._dtype, self._workers,
-                                    (ident, predicted, miss))
-            self._view(end)[:] = raw
-            return expected
+    def encode(self, ident: int, predicted: int, miss: int) -> tuple[bytes, bytes]:
+        """The trailer of (``ident``, ``predicted``, ``miss``) as raw bytes (exact
+        small integers): as this worker sends it, and as it combines when every worker
+        sent the same."""
         tail = self._tails.get((predicted, miss))
         if tail is None:
             if len(self._tails) > 256:
                 self._tails.clear()
             tail = self._tails[predicted, miss] = _tail(self.kind, self._dtype, self._workers,
                                                         predicted, miss)
-        mask, sent, combined = self._mask, self._sent, self._combined
-        chunks = [(ident >> k) & mask for k in self._shifts]
-        self._view(end)[:] = b"".join([sent[v] for v in chunks]) + tail[0]
-        return b"".join([combined[v] for v in chunks]) + tail[1]
+        if self._c <= 12:  # a table of chunk pairs
+            mask, sent, combined = self._mask, self._sent, self._combined
+            chunks = [(ident >> k) & mask for k in self._shifts]
+            return (b"".join([sent[v] for v in chunks]) + tail[0],
+                    b"".join([combined[v] for v in chunks]) + tail[1])
+        row = _pairs(self.kind, ident, FIELDS[0], self._c)  # wider chunks: packed per call
+        code = _CODES[self._dtype]
+        both = [self._workers * v for v in row] if self.kind == "sum" else row
+        return (array.array(code, row).tobytes() + tail[0],
+                array.array(code, both).tobytes() + tail[1])
+
+    def write_at(self, end: int, ident: int, predicted: int, miss: int) -> bytes:
+        """Writes the trailer into the `nbytes` before address ``end`` (host memory
+        this caller owns); returns what `holds_at` expects (see `write`)."""
+        raw, expected = self.encode(ident, predicted, miss)
+        self._view(end)[:] = raw
+        return expected
 
     def holds_at(self, end: int, expected: bytes) -> bool:
         """Whether the combined trailer ending at ``end`` is exactly ``expected``
@@ -200,11 +186,17 @@ class HostCodec:
 
 
 @functools.lru_cache(maxsize=64)
-def host_codec(kind: str, dtype: torch.dtype, workers: int) -> HostCodec:
-    """The `HostCodec` of a trailer that `length` says this pack can carry."""
+def codec_of(kind: str, dtype: torch.dtype, workers: int) -> Codec:
+    """The `Codec` of a pack that `length` says can carry a trailer.
+
+    Raises:
+        ValueError: the pack carries no trailer (its kind or dtype, or too many workers
+            for exact sums).
+    """
     if not length(kind, dtype, workers):
-        raise ValueError(f"a {kind} of {dtype} over {workers} workers carries no trailer")
-    return HostCodec(kind, dtype, workers)
+        raise ValueError(f"a {kind} of {dtype} over {workers} workers carries no trailer "
+                         "(expected a sum, min or max of float32, float64, int32 or int64)")
+    return Codec(kind, dtype, workers)
 
 
 def holds(buffer: torch.Tensor, expected: bytes) -> bool:

@@ -276,3 +276,29 @@ def test_run_inside_merge_fn_runs_instead_of_deadlocking(two):
                                            r"of another run\)"):
         two.run(lambda: two.run(lambda: 1))
     assert two.run(lambda: 2) == 2
+
+
+def test_run_hands_each_replica_its_components_of_tuple_arguments(strategies):
+    # run(fn, args=(x, y)) with per-replica values and shared tensors: each replica
+    # gets its own component and the shared object itself; a value with the wrong
+    # number of components is named by its place.
+    strategy = strategies[2]
+    shared = torch.ones(2)
+    x = mirrored.PerReplica([torch.tensor(0.0), torch.tensor(1.0)])
+    y = mirrored.PerReplica([torch.tensor(10.0), torch.tensor(11.0)])
+    seen = {}
+
+    def step(a, b, c):
+        seen[rid()] = (a, b, c)
+        return a + c
+
+    out = strategy.experimental_local_results(strategy.run(step, args=(x, shared, y)))
+    assert [t.item() for t in out] == [10.0, 12.0]
+    for r in (0, 1):
+        a, b, c = seen[r]
+        assert a is x.values[r] and b is shared and c is y.values[r]
+    three = mirrored.PerReplica([torch.tensor(0.0)] * 3)
+    with pytest.raises(ValueError, match=r"args\[1\] is a PerReplica with 3 components but "
+                                         r"this strategy has 2 replicas"):
+        strategy.run(step, args=(x, three, y))
+    assert strategy.run(lambda a: a * 2, args=(shared,)) is not None  # no per-replica value

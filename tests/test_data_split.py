@@ -135,3 +135,34 @@ def test_bad_inputs_raise() -> None:
         split_batch(torch.zeros(4), 2, replica_ids=[0, 2])
     with pytest.raises(ValueError, match="num_replicas_in_sync must be an int >= 1; got 0"):
         split_batch(torch.zeros(4), 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 9), workers=st.integers(1, 3), local=st.integers(1, 2),
+       worker=st.integers(0, 2))
+def test_tuple_steps_equal_the_pytree_path(rows: int, workers: int, local: int,
+                                           worker: int) -> None:
+    # (x, y) takes the tuple path; the same leaves as a list take the pytree path:
+    # the same chunks, devices and example counts.
+    from mirrored._src.data.steps import global_batch_steps
+    from mirrored._src.devices import parse_devices
+    from mirrored._src.topology import Topology
+
+    worker %= workers
+    topology = Topology(devices=parse_devices([f"CPU:{i}" for i in range(local)]),
+                        worker_index=worker, num_workers=workers)
+    g = torch.Generator().manual_seed(rows)
+    batch = (torch.randn(rows, 3, generator=g), torch.randint(0, 5, (rows,), generator=g))
+    [as_tuple] = global_batch_steps([batch], topology, fetch=False, tag=workers > 1)
+    [as_list] = global_batch_steps([list(batch)], topology, fetch=False, tag=workers > 1)
+    assert type(as_tuple) is tuple and type(as_list) is list
+    if topology.num_replicas_in_sync == 1:
+        assert as_tuple is batch
+        return
+    for ours, theirs in zip(as_tuple, as_list, strict=True):
+        assert ours.devices == theirs.devices
+        assert all(torch.equal(a, b) for a, b in zip(ours.values, theirs.values, strict=True))
+        assert getattr(ours, "_examples", None) == getattr(theirs, "_examples", None)
+    with pytest.raises(ValueError, match=r"batch\[1\] has batch dim 2, not"):
+        list(global_batch_steps([(torch.zeros(rows + 2), torch.zeros(2))], topology,
+                                fetch=False))

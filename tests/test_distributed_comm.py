@@ -341,26 +341,120 @@ def test_a_different_size_after_agreed_chunks_raises_mismatch_on_every_worker() 
 
 
 def test_chunks_cover_the_buffer_and_copy_the_source() -> None:
-    from mirrored._src.comm.distributed import CHUNK_MIN_BYTES, CHUNKS, _chunks
+    from mirrored._src.comm.slots import CHUNK_MIN_BYTES, CHUNKS, ResultSlot
 
     n, extra = CHUNK_MIN_BYTES // 4 + 5, 6
+    slot = ResultSlot([(n, torch.float32, extra, True)], [True], torch.device("cpu"),
+                      kept=True)
+    [buffer], [parts] = slot.buffers, slot.parts
+    assert len(parts) == CHUNKS
+    assert sum(c.numel() for c, _, _ in parts) == n + extra
+    assert parts[0][0][-extra:].data_ptr() == buffer[n:].data_ptr()  # the trailer's, first
     source = torch.arange(n, dtype=torch.float32)
-    buffer = torch.full((n + extra,), -1.0)
-    chunks = _chunks(buffer, n, extra, source, [buffer[:n]])
-    assert len(chunks) == CHUNKS
-    assert sum(c.numel() for c, _ in chunks) == n + extra
-    assert chunks[-1][0][-extra:].data_ptr() == buffer[n:].data_ptr()  # the trailer's
-    for _, fill in chunks:
-        fill()
+    buffer.fill_(-1.0)
+    for _, (a, b), dst in parts:  # type: ignore[misc]
+        dst.copy_(source[a:b])
     assert torch.equal(buffer[:n], source) and bool((buffer[n:] == -1).all())
-    leaves = [torch.ones(2, 3), torch.zeros(4)]
-    small = torch.full((10 + extra,), -1.0)
-    [(whole, fill_all)] = _chunks(small, 10, extra, leaves,
-                                  [small[:6].view(2, 3), small[6:10]])
-    fill_all()
-    assert whole is small
-    assert len(_chunks(buffer, n, extra, source, [buffer[:n]], split=False)) == 1
-    assert small[:10].tolist() == [1.0] * 6 + [0.0] * 4 and bool((small[10:] == -1).all())
+    # from leaves: one collective, the whole buffer, copied into views shaped like them
+    small = ResultSlot([(10, torch.float32, extra, True)], [False], torch.device("cpu"),
+                       kept=True)
+    [[(whole, span, dst)]] = small.parts
+    assert whole is small.buffers[0] and span is None and dst is None
+    payload, shaped = small.results(0, [torch.empty(2, 3, device="meta"),
+                                        torch.empty(4, device="meta")])
+    assert payload.data_ptr() == whole.data_ptr() and payload.numel() == 10
+    assert [t.shape for t in shaped] == [(2, 3), (4,)]
+    unsplit = ResultSlot([(n, torch.float32, extra, False)], [True], torch.device("cpu"),
+                         kept=True)
+    assert len(unsplit.parts[0]) == 1
+
+
+def test_a_kept_slot_is_free_only_when_nothing_else_holds_it() -> None:
+    import weakref
+
+    from mirrored._src.comm.slots import ResultSlot
+
+    slot = ResultSlot([(6, torch.float32, 2, True)], [True], torch.device("cpu"), kept=True)
+    like = [torch.empty(2, 3, device="meta")]
+    assert slot.free()
+    result = slot.results(0, like)[1][0]
+    assert not slot.free()  # a result (a view of the buffer)
+    del result
+    assert slot.free()
+    p = torch.nn.Parameter(torch.zeros(2, 3))
+    p.grad = slot.results(0, like)[1][0]
+    assert not slot.free()  # a parameter's .grad (held in C++ only)
+    p.grad = None
+    assert slot.free()
+    detached = slot.results(0, like)[1][0].detach()
+    assert not slot.free()  # another tensor on the storage
+    del detached
+    array = slot.results(0, like)[0].numpy()
+    assert not slot.free()
+    del array
+    saved = slot.results(0, like)[1][0] * torch.ones(2, 3, requires_grad=True)
+    assert not slot.free()  # autograd saved it for backward
+    del saved
+    assert slot.free()
+    ref = weakref.ref(slot.buffers[0])
+    assert not slot.free()  # a weak reference to the slot's own tensor
+    del ref
+    held = slot.parts[0][0][0]
+    assert not slot.free()  # its own tensors, held elsewhere (a collective's)
+    del held
+    assert slot.free()
+    not_kept = ResultSlot([(6, torch.float32, 2, True)], [True], torch.device("cpu"),
+                          kept=False)
+    assert not not_kept.free()
+
+
+def test_repeated_calls_reuse_results_only_once_released() -> None:
+    # One worker: a kept slot's results come back at the next call once released, never
+    # while held (a held result keeps its values; the call takes the other slot).
+    job = Job.start(JobSpec(backend="gloo", rank=0, world_size=1, timeout_seconds=10,
+                            master_port=mirrored.testing.find_free_port()))
+    try:
+        topology = Topology(devices=parse_devices(["CPU:0"]))
+        comm = DistributedCommunicator(mirrored.ReductionToOneDevice(), topology, job=job)
+        leaves = [torch.ones(2, 3), torch.full((4,), 2.0)]
+
+        def call(scale: float) -> list[torch.Tensor]:
+            out = comm.reduce_packed(ReduceOp.SUM, [[t * scale for t in leaves]],
+                                     [topology.devices] * 2, 0)
+            return [values[0] for values in out]
+
+        first = call(1.0)
+        first_ptr = first[0].data_ptr()
+        held = call(2.0)  # `first` held: another slot
+        assert held[0].data_ptr() != first_ptr
+        assert torch.equal(first[0], torch.ones(2, 3)) and torch.equal(first[1], leaves[1])
+        del first
+        again = call(3.0)  # `first`'s slot is free again
+        assert again[0].data_ptr() == first_ptr
+        assert torch.equal(held[0], torch.full((2, 3), 2.0))
+        assert torch.equal(again[1], torch.full((4,), 6.0))
+        third = call(4.0)  # both kept slots held: new buffers, the held ones untouched
+        assert third[0].data_ptr() not in (first_ptr, held[0].data_ptr())
+        assert torch.equal(held[1], torch.full((4,), 4.0))
+        assert torch.equal(again[0], torch.full((2, 3), 3.0))
+        assert torch.equal(third[0], torch.full((2, 3), 4.0))
+        # A result's state never reaches the next call's results (new views each call).
+        again[0].requires_grad_()
+        again[1].unsqueeze_(0)
+        again_ptr = again[0].data_ptr()
+        del again, held, third
+        with torch.no_grad():
+            made = call(5.0)
+        assert made[0].data_ptr() in (first_ptr, again_ptr)  # a kept buffer, reused
+        del made
+        fresh = call(6.0)
+        assert fresh[0].data_ptr() in (first_ptr, again_ptr)
+        assert not fresh[0].requires_grad and fresh[1].shape == (4,)
+        assert fresh[0].grad_fn is None and fresh[1]._base is not None
+        fresh[0].add_(torch.ones(2, 3, requires_grad=True))  # fine in grad mode
+        assert torch.equal(fresh[1], torch.full((4,), 12.0))
+    finally:
+        job.close()
 
 
 def _replica_counts(comm: DistributedCommunicator, topology: Topology) -> list[bool]:

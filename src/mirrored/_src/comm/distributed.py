@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -42,20 +42,13 @@ from .call_identity import CallLedger, JobLink
 from .cross_call import GATHER, HEAD, VALUE, CrossWorkerCalls, PendingCall
 from .cross_device_ops import CrossDeviceOps
 from .host import concat
+from .slots import CHUNK_MIN_BYTES, CHUNKS, KEPT_BYTES, KEPT_PER_PLAN, ResultSlot, SlotMaker
 from .watch import CallWatch
 
 __all__ = ["CHUNKS", "CHUNK_MIN_BYTES", "DistributedCommunicator", "OverlappedSum"]
 
 _HOST = Device("CPU", 0)
 _META = operator.attrgetter("shape", "dtype", "device")  # what a call's plan depends on
-# A pack of CHUNK_MIN_BYTES or more crosses the workers as CHUNKS collectives of one
-# call (measured on 2 workers over loopback Gloo, 16 and 64 MiB: 1.03-1.07x a raw
-# in-place all-reduce, against 1.3-1.5x for one copy followed by one collective),
-# where that leaves every sum bitwise as one collective makes it: MIN, MAX, integers,
-# and floats on 2 workers (a + b either way); a float SUM over 3 or more workers
-# stays one collective.
-CHUNKS = 4
-CHUNK_MIN_BYTES = 4 << 20
 
 
 class DistributedCommunicator:
@@ -122,7 +115,8 @@ class DistributedCommunicator:
         self._home = topology.devices if (
             len(topology.devices) == 1
             and topology.devices[0].torch_device == self._wire_torch) else None
-        self._plans: dict[tuple[Any, ...], Any] = {}
+        self._plans: dict[tuple[Any, ...], _Plan] = {}
+        self._kept_bytes = 0  # of the plans' kept slots
 
     @staticmethod
     def _wire_device(topology: Topology, group: Any) -> Device:
@@ -143,51 +137,91 @@ class DistributedCommunicator:
         """Combines many values over every replica of every worker (SUM, MIN or MAX):
         see `Communicator.reduce_packed`."""
         first = per_replica[0]
-        # A training loop repeats its calls: their packs and description are kept.
+        # A training loop repeats its calls: their packs, description and buffers
+        # (`ResultSlot`: results are new views of them) are kept.
         key = (reduce_op, bytes_per_pack, len(per_replica), *map(_META, first),
                *map(id, destinations))
         known = self._plans.get(key)
         if known is None:
-            known = _plan(reduce_op, first, destinations, bytes_per_pack,
-                          self._topology.num_workers, self._check)
-            if len(self._plans) >= 256:
-                self._plans.clear()
-            self._plans[key] = known
-        packs, what, sizes, wire, kind = known
-        device = self._wire_torch
-        views, data, fills = [], [], []
-        for members, (n, dtype, extra, exact) in zip(packs, sizes, strict=True):
+            known = self._plan(key, reduce_op, per_replica, destinations, bytes_per_pack)
+        packs, what, wire, slots, make = known
+        slot = self._slot(slots, make)
+        data, fills, views = [], [], []
+        for index, (members, parts) in enumerate(zip(packs, slot.parts, strict=True)):
+            payload, shaped = slot.results(index, make.leaves[index])
+            views.append((payload, shaped))
             leaves = [first[m] for m in members]
+            source = leaves[0]
             if len(per_replica) > 1:  # the local sum in replica order, then one copy
                 flats = [packing.pack([leaves_r[m] for m in members])
                          for leaves_r in per_replica]
-                source: torch.Tensor | list[torch.Tensor] = self._local.reduce_to_devices(
-                    reduce_op, flats, (self._wire,))[0]
-            else:
-                source = leaves
-            # Results live in a pooled buffer (the check's trailer at its end); the
-            # data reach it by one copy, chunk by chunk as the chunks are launched.
-            buffer = default_pool().empty((n + extra,), dtype, device)
-            payload = buffer[:n]
-            shaped = packing.unpack(payload, leaves)  # the results, shaped
-            views.append((payload, shaped))
-            chunks = _chunks(buffer, n, extra, source, shaped, split=exact)
-            if extra:  # the trailer's chunk goes first (`CrossWorkerCalls`)
-                chunks.insert(0, chunks.pop())
-            for chunk, fill in chunks:
+                source = self._local.reduce_to_devices(reduce_op, flats, (self._wire,))[0]
+            elif len(leaves) == 1:
+                source = leaves[0].reshape(-1)
+            for chunk, span, dst in parts:
                 data.append(chunk)
-                fills.append(fill)
+                if span is None or dst is None:  # the leaves, into views shaped like them
+                    fills.append(functools.partial(torch._foreach_copy_, shaped, leaves))
+                else:
+                    a, b = span
+                    fills.append(functools.partial(
+                        _copy, dst, source if a == 0 and b == source.numel() else source[a:b]))
         if not wire:  # (the same for every call of this plan: kept as a tuple)
-            wire.append(tuple((kind, str(b.dtype), b.numel()) for b in data))
+            wire.append(tuple((make.kind, str(b.dtype), b.numel()) for b in data))
         self._calls.call(what, wire[0], data, fill=lambda i: fills[i]())
         out: list[list[torch.Tensor]] = [[] for _ in first]
         for members, (payload, shaped) in zip(packs, views, strict=True):
             for flat in self._copies(payload, destinations[members[0]]):
-                parts = shaped if flat is payload else packing.unpack(
+                results = shaped if flat is payload else packing.unpack(
                     flat, [first[m] for m in members])
-                for m, part in zip(members, parts, strict=True):
+                for m, part in zip(members, results, strict=True):
                     out[m].append(part)
         return out
+
+    def _plan(self, key: tuple[Any, ...], reduce_op: ReduceOp,
+              per_replica: Sequence[Sequence[torch.Tensor]],
+              destinations: Sequence[tuple[Device, ...]], bytes_per_pack: int) -> _Plan:
+        """A call's packs, description, wire sizes (a list its first call fills), kept
+        slots and how to make one; kept under ``key``."""
+        first = per_replica[0]
+        workers = self._topology.num_workers
+        packs = packing.plan([t.numel() * t.element_size() for t in first],
+                             [(t.dtype, t.device, id(destinations[k]))
+                              for k, t in enumerate(first)], bytes_per_pack)
+        what = f"{reduce_op.name} of " + ", ".join(describe(t) for t in first)
+        kind = reduce_op.name.lower()
+        sizes = []
+        for index, members in enumerate(packs):
+            dtype = first[members[0]].dtype
+            extra = trailer.length(kind, dtype, workers) if index == 0 and self._check else 0
+            # Chunks change the order in which a ring of 3 or more workers adds an
+            # element's floats (its position in the transfer): then one collective.
+            exact = kind != "sum" or workers <= 2 or not dtype.is_floating_point
+            sizes.append((sum(first[m].numel() for m in members), dtype, extra, exact))
+        make = SlotMaker(sizes, [[first[m] for m in members] for members in packs],
+                         [len(per_replica) > 1 or len(members) == 1 for members in packs],
+                         self._wire_torch, kind)
+        if len(self._plans) >= 256:
+            self._plans.clear()
+            self._kept_bytes = 0
+        known = self._plans[key] = (packs, what, [], [], make)
+        return known
+
+    def _slot(self, slots: list[ResultSlot], make: SlotMaker) -> ResultSlot:
+        """A kept slot of the plan that nothing else holds, else a new one (kept while
+        the plan keeps fewer than `KEPT_PER_PLAN` and the communicator's kept bytes
+        stay under 16 `KEPT_BYTES`)."""
+        inference = torch.is_inference_mode_enabled()
+        for slot in slots:
+            if slot.inference == inference and slot.free():
+                return slot
+        keep = (make.keep and len(slots) < KEPT_PER_PLAN
+                and self._kept_bytes + make.nbytes <= 16 * KEPT_BYTES)
+        slot = make(kept=keep)
+        if keep:
+            slots.append(slot)
+            self._kept_bytes += make.nbytes
+        return slot
 
     def gather(self, per_replica: Sequence[torch.Tensor], dim: int,
                destinations: tuple[Device, ...]) -> tuple[list[torch.Tensor], list[int]]:
@@ -323,55 +357,13 @@ class DistributedCommunicator:
         return self._local.broadcast_to_devices(tensor, devices)
 
 
-def _plan(reduce_op: ReduceOp, first: Sequence[torch.Tensor],
-          destinations: Sequence[tuple[Device, ...]], bytes_per_pack: int, workers: int,
-          check: bool) -> tuple[list[list[int]], str, list[tuple[int, torch.dtype, int, bool]],
-                                list[tuple[tuple[str, str, int], ...]], str]:
-    """A call's packs, description, per pack (elements, dtype, trailer, whether it may
-    travel in chunks), its wire sizes (a list the first call puts them in) and its
-    kind."""
-    packs = packing.plan([t.numel() * t.element_size() for t in first],
-                         [(t.dtype, t.device, id(destinations[k]))
-                          for k, t in enumerate(first)], bytes_per_pack)
-    what = f"{reduce_op.name} of " + ", ".join(describe(t) for t in first)
-    kind = reduce_op.name.lower()
-    sizes = []
-    for index, members in enumerate(packs):
-        dtype = first[members[0]].dtype
-        extra = trailer.length(kind, dtype, workers) if index == 0 and check else 0
-        # Chunks change the order in which a ring of 3 or more workers adds an
-        # element's floats (its position in the transfer): then one collective.
-        exact = kind != "sum" or workers <= 2 or not dtype.is_floating_point
-        sizes.append((sum(first[m].numel() for m in members), dtype, extra, exact))
-    return packs, what, sizes, [], kind
-
-
-def _chunks(buffer: torch.Tensor, n: int, extra: int,
-            source: torch.Tensor | list[torch.Tensor], shaped: list[torch.Tensor], *,
-            split: bool = True) -> list[tuple[torch.Tensor, Callable[[], None]]]:
-    """``buffer`` (``n`` payload elements, then ``extra`` of trailer) cut into the
-    collectives that carry it, each with the copy of its part of ``source`` (one flat
-    tensor, or the leaves of the pack in order, copied into ``shaped``: views of
-    ``buffer`` shaped like them). A large flat payload travels in `CHUNKS` parts
-    when ``split``: copying one part overlaps the transfer of the previous ones."""
-    nbytes = n * buffer.element_size()
-    if isinstance(source, list) and len(source) == 1:
-        source = source[0].reshape(-1)
-    if isinstance(source, list):
-        return [(buffer, functools.partial(torch._foreach_copy_, shaped, source))]
-    flat = source
-    parts = CHUNKS if split and nbytes >= CHUNK_MIN_BYTES else 1
-    bounds = [n * i // parts for i in range(parts + 1)]
-    out: list[tuple[torch.Tensor, Callable[[], None]]] = []
-    for i in range(parts):
-        a, b = bounds[i], bounds[i + 1]
-        end = b + extra if i == parts - 1 else b
-        out.append((buffer[a:end], functools.partial(_copy, buffer[a:b], flat[a:b])))
-    return out
-
-
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
+
+
+# A call's packs, description, wire sizes (filled by its first call), kept slots, maker.
+_Plan = tuple[list[list[int]], str, list[tuple[tuple[str, str, int], ...]], list[ResultSlot],
+              SlotMaker]
 
 
 class OverlappedSum:

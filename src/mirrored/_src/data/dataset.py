@@ -16,113 +16,18 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Generator, Iterable, Sequence
-from itertools import repeat
-from operator import attrgetter, is_
 from typing import Any
 
 import torch
 
 from .. import pytree
 from ..topology import Topology
-from ..values import PerReplica, StepExamples
 from .input import InputContext, InputOptions, InputReplicationMode
 from .iterator import AnyWorker, DistributedIterator, WorkerVote
-from .split import chunk_bounds, empty_like, flatten_batch, flatten_element, split_leaves
+from .split import empty_like, flatten_element
+from .steps import close_source, global_batch_steps, pack_step
 
 __all__ = ["DistributedDataset", "DistributedDatasetsFromFunction"]
-
-_CPU = torch.device("cpu")
-
-
-def _to_devices(chunks: Sequence[torch.Tensor],
-                devices: Sequence[torch.device] | None) -> Sequence[torch.Tensor]:
-    if devices is None:
-        return chunks
-    return [chunk if chunk.device == device else
-            chunk.to(device, non_blocking=chunk.device == _CPU and device.type == "cuda")
-            for chunk, device in zip(chunks, devices, strict=True)]
-
-
-def _close_source(iterator: Any) -> None:
-    close = getattr(iterator, "close", None)
-    if callable(close):
-        close()
-
-
-_TENSORS, _IS_CPU = repeat(torch.Tensor), attrgetter("is_cpu")
-
-
-def _plain(topology: Topology) -> bool:
-    """One replica in one process yields plain values, not `PerReplica` (as TF)."""
-    return topology.num_local_replicas == 1 and topology.num_workers == 1
-
-
-def _pack(spec: Any, per_leaf: Sequence[Sequence[torch.Tensor]], topology: Topology,
-          devices: Sequence[torch.device] | None, examples: StepExamples | None = None
-          ) -> Any:
-    """The step: one `PerReplica` per leaf (each tagged with ``examples`` if given)."""
-    if _plain(topology):
-        return pytree.unflatten(spec, [_to_devices(chunks, devices)[0] for chunks in per_leaf])
-    names = topology.device_names
-    values = [PerReplica(_to_devices(chunks, devices), devices=names) for chunks in per_leaf]
-    if examples is not None:
-        for value in values:
-            value._examples = examples
-    return pytree.unflatten(spec, values)
-
-
-def _as_is(batch: Any, device: torch.device | None) -> bool:
-    """Whether one replica in one process takes ``batch`` exactly as it is: a tensor or a
-    tuple of tensors, already on the replica's device (``None``: wherever it is).
-    `_pack` would rebuild an equal tuple of the same tensors."""
-    if type(batch) is torch.Tensor:
-        return device is None or batch.device == device
-    if type(batch) is not tuple or not batch:
-        return False
-    for leaf in batch:
-        if type(leaf) is not torch.Tensor or (device is not None and leaf.device != device):
-            return False
-    return True
-
-
-def _global_batch_steps(source: Iterable[Any], topology: Topology,
-                        fetch: bool, tag: bool = False) -> Generator[Any, None, None]:
-    """The steps of `DistributedDataset`; with ``tag`` (several workers) each step's
-    `PerReplica` batches carry its `StepExamples`."""
-    n, ids = topology.num_replicas_in_sync, topology.replica_ids
-    devices = topology.torch_devices if fetch and not topology.follows_caller else None
-    device = None if devices is None else devices[0]
-    plain = _plain(topology)
-    as_is = plain and (device is None or device == _CPU)  # a tensor's is_cpu: on device
-    iterator = iter(source)
-    try:
-        for index, batch in enumerate(iterator):
-            if n == 1:  # nothing to split: elements of any rank pass as they are (TF)
-                # (`_as_is` of a tuple, in C iterators: no bytecode per leaf at each step)
-                if as_is and type(batch) is tuple and batch and all(
-                        map(is_, map(type, batch), _TENSORS)) and (
-                        device is None or all(map(_IS_CPU, batch))):
-                    yield batch
-                    continue
-                if plain and _as_is(batch, device):
-                    yield batch
-                    continue
-                leaves, spec = flatten_element(batch, f"batch {index} of the dataset")
-                yield _pack(spec, [(leaf,) for leaf in leaves], topology, devices)
-                continue
-            what = f"batch {index} of the dataset"
-            leaves, spec, batch_size = flatten_batch(batch, what)
-            # (no tag where some replica gets no rows: its empty loss would match any
-            # kind of loss, so every replica counts; the tag depends on the size only)
-            examples = StepExamples(batch_size, tuple(
-                b - a for a, b in (chunk_bounds(batch_size, n, i) for i in ids))) if tag and (
-                chunk_bounds(batch_size, n, n - 1)[0] < batch_size) else None  # (the last
-            # replica's chunk is the smallest)
-            yield _pack(spec, split_leaves(leaves, batch_size, n, ids), topology, devices,
-                        examples)
-    finally:
-        _close_source(iterator)
-
 
 class _Pipelines:
     """Where each local replica takes its next element: one shared iterator
@@ -157,7 +62,7 @@ class _Pipelines:
 
     def close(self) -> None:
         for iterator in self._iterators:
-            _close_source(iterator)
+            close_source(iterator)
 
 
 def _whole_element_steps(pipelines: _Pipelines, topology: Topology,
@@ -200,7 +105,7 @@ def _whole_element_steps(pipelines: _Pipelines, topology: Topology,
             filled = [leaves if leaves is not None else [empty_like(t) for t in present[-1]]
                       for leaves in taken]
             filled += [[empty_like(t) for t in present[-1]]] * (num_local - len(filled))
-            yield _pack(spec, list(zip(*filled, strict=True)), topology, devices)
+            yield pack_step(spec, list(zip(*filled, strict=True)), topology, devices)
             if ran_out and pipelines.shared:
                 return
     finally:
@@ -291,7 +196,7 @@ class DistributedDataset:
                        and any_worker.tells_each)
 
     def __iter__(self) -> DistributedIterator:
-        steps = _global_batch_steps(self._source, self._topology,
+        steps = global_batch_steps(self._source, self._topology,
                                     self._options.experimental_fetch_to_device, self._count)
         # (the tags are kept only at the steps where every worker has data)
         return DistributedIterator(steps, self._options, self._any_worker,

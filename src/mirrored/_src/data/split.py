@@ -18,7 +18,7 @@ from .. import pytree
 from ..values import to_tensor
 
 __all__ = ["chunk_bounds", "empty_like", "flatten_batch", "flatten_element",
-           "refuse_sharded_source", "split_batch", "split_leaves"]
+           "refuse_sharded_source", "split_batch", "split_leaves", "tuple_batch_size"]
 
 
 def chunk_bounds(batch_size: int, num_replicas_in_sync: int, replica_id: int) -> tuple[int, int]:
@@ -187,6 +187,30 @@ def split_batch(batch: Any, num_replicas_in_sync: int,
     per_leaf = split_leaves(leaves, batch_size, num_replicas_in_sync, ids)
     return [pytree.unflatten(spec, [chunks[k] for chunks in per_leaf])
             for k in range(len(ids))]
+
+
+def tuple_batch_size(batch: Any) -> int | None:
+    """The batch size of ``batch`` when it is a tuple of plain tensors that share a
+    leading batch dim (the common element: ``(x, y)``; no pytree walk), else ``None``
+    (`flatten_batch` takes it, and names what is wrong).
+
+    Example:
+        >>> import torch
+        >>> tuple_batch_size((torch.zeros(4, 3), torch.zeros(4))), tuple_batch_size([1, 2])
+        (4, None)
+        >>> tuple_batch_size((torch.zeros(4, 3), torch.zeros(5)))  # flatten_batch raises
+    """
+    if type(batch) is not tuple or not batch:
+        return None
+    for leaf in batch:
+        if type(leaf) is not torch.Tensor:
+            return None
+    first = batch[0]
+    size: int = first.shape[0] if first.dim() else -1
+    for leaf in batch:
+        if not leaf.dim() or leaf.shape[0] != size:
+            return None
+    return size
 
 
 def empty_like(tensor: torch.Tensor) -> torch.Tensor:

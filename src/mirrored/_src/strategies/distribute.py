@@ -232,6 +232,16 @@ def split_args(parts: Parts, args: Any, kwargs: dict[str, Any]) -> ReplicaArgs |
     """
     if not args and not kwargs:
         return None
+    if not kwargs and type(args) is tuple:  # (x, y) of a distributed dataset: no pytree
+        n = parts.topology.num_local_replicas
+        kinds = [type(a) for a in args]
+        if all(k is PerReplica or k is torch.Tensor for k in kinds) and all(
+                k is not PerReplica or len(a._values) == n
+                for a, k in zip(args, kinds, strict=True)):
+            if PerReplica not in kinds:
+                return lambda i: (args, kwargs)
+            return lambda i: (tuple(a._values[i] if k is PerReplica else a
+                                    for a, k in zip(args, kinds, strict=True)), {})
     tree = (tuple(args), kwargs)
     leaves, spec = pytree.flatten(tree)
     distributed = False

@@ -1,0 +1,124 @@
+"""The steps of a `DistributedDataset`: each global batch split by the rule in
+`split` over all ``N`` replicas, this worker's chunks moved to its replicas'
+devices and packed as `PerReplica` values (plain values for one replica in one
+process, as TF)."""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterable, Sequence
+from itertools import repeat
+from operator import attrgetter, is_
+from typing import Any
+
+import torch
+
+from .. import pytree
+from ..topology import Topology
+from ..values import PerReplica, StepExamples
+from .split import chunk_bounds, flatten_batch, flatten_element, split_leaves, tuple_batch_size
+
+__all__ = ["close_source", "global_batch_steps", "pack_step"]
+
+_CPU = torch.device("cpu")
+
+
+def _to_devices(chunks: Sequence[torch.Tensor],
+                devices: Sequence[torch.device] | None) -> Sequence[torch.Tensor]:
+    if devices is None:
+        return chunks
+    return [chunk if chunk.device == device else
+            chunk.to(device, non_blocking=chunk.device == _CPU and device.type == "cuda")
+            for chunk, device in zip(chunks, devices, strict=True)]
+
+
+def close_source(iterator: Any) -> None:
+    close = getattr(iterator, "close", None)
+    if callable(close):
+        close()
+
+
+_TENSORS, _IS_CPU = repeat(torch.Tensor), attrgetter("is_cpu")
+
+
+def _plain(topology: Topology) -> bool:
+    """One replica in one process yields plain values, not `PerReplica` (as TF)."""
+    return topology.num_local_replicas == 1 and topology.num_workers == 1
+
+
+def pack_step(spec: Any, per_leaf: Sequence[Sequence[torch.Tensor]], topology: Topology,
+          devices: Sequence[torch.device] | None, examples: StepExamples | None = None
+          ) -> Any:
+    """The step: one `PerReplica` per leaf (each tagged with ``examples`` if given)."""
+    if _plain(topology):
+        return pytree.unflatten(spec, [_to_devices(chunks, devices)[0] for chunks in per_leaf])
+    names = _names(topology)
+    values = [PerReplica._from_trusted(tuple(_to_devices(chunks, devices)), names)
+              for chunks in per_leaf]
+    if examples is not None:
+        for value in values:
+            value._examples = examples
+    return tuple(values) if spec is None else pytree.unflatten(spec, values)
+
+
+def _names(topology: Topology) -> tuple[str, ...]:
+    """The canonical names of the local replicas' devices (`PerReplica.devices`)."""
+    return PerReplica(topology.device_names, devices=topology.device_names).devices
+
+
+def _as_is(batch: Any, device: torch.device | None) -> bool:
+    """Whether one replica in one process takes ``batch`` exactly as it is: a tensor or a
+    tuple of tensors, already on the replica's device (``None``: wherever it is).
+    `_pack` would rebuild an equal tuple of the same tensors."""
+    if type(batch) is torch.Tensor:
+        return device is None or batch.device == device
+    if type(batch) is not tuple or not batch:
+        return False
+    for leaf in batch:
+        if type(leaf) is not torch.Tensor or (device is not None and leaf.device != device):
+            return False
+    return True
+
+
+def global_batch_steps(source: Iterable[Any], topology: Topology,
+                        fetch: bool, tag: bool = False) -> Generator[Any, None, None]:
+    """The steps of `DistributedDataset`; with ``tag`` (several workers) each step's
+    `PerReplica` batches carry its `StepExamples`."""
+    n, ids = topology.num_replicas_in_sync, topology.replica_ids
+    devices = topology.torch_devices if fetch and not topology.follows_caller else None
+    device = None if devices is None else devices[0]
+    plain = _plain(topology)
+    as_is = plain and (device is None or device == _CPU)  # a tensor's is_cpu: on device
+    tags: dict[int, StepExamples | None] = {}  # per batch size (immutable: shared by steps)
+    iterator = iter(source)
+    try:
+        for index, batch in enumerate(iterator):
+            if n == 1:  # nothing to split: elements of any rank pass as they are (TF)
+                # (`_as_is` of a tuple, in C iterators: no bytecode per leaf at each step)
+                if as_is and type(batch) is tuple and batch and all(
+                        map(is_, map(type, batch), _TENSORS)) and (
+                        device is None or all(map(_IS_CPU, batch))):
+                    yield batch
+                    continue
+                if plain and _as_is(batch, device):
+                    yield batch
+                    continue
+                leaves, spec = flatten_element(batch, f"batch {index} of the dataset")
+                yield pack_step(spec, [(leaf,) for leaf in leaves], topology, devices)
+                continue
+            size = tuple_batch_size(batch)
+            if size is not None:  # (x, y): the leaves are the tuple, rebuilt by `_pack`
+                leaves, spec, batch_size = batch, None, size
+            else:
+                leaves, spec, batch_size = flatten_batch(batch, f"batch {index} of the dataset")
+            # (no tag where some replica gets no rows: its empty loss would match any
+            # kind of loss, so every replica counts; the tag depends on the size only)
+            if tag and batch_size not in tags:
+                tags[batch_size] = StepExamples(batch_size, tuple(
+                    b - a for a, b in (chunk_bounds(batch_size, n, i) for i in ids))) if (
+                    chunk_bounds(batch_size, n, n - 1)[0] < batch_size) else None  # (the
+                # last replica's chunk is the smallest)
+            examples = tags[batch_size] if tag else None
+            yield pack_step(spec, split_leaves(leaves, batch_size, n, ids), topology, devices,
+                        examples)
+    finally:
+        close_source(iterator)

@@ -426,7 +426,8 @@ def test_repeated_calls_reuse_results_only_once_released() -> None:
         first = call(1.0)
         first_ptr = first[0].data_ptr()
         held = call(2.0)  # `first` held: another slot
-        assert held[0].data_ptr() != first_ptr
+        held_ptr = held[0].data_ptr()
+        assert held_ptr != first_ptr
         assert torch.equal(first[0], torch.ones(2, 3)) and torch.equal(first[1], leaves[1])
         del first
         again = call(3.0)  # `first`'s slot is free again
@@ -441,18 +442,34 @@ def test_repeated_calls_reuse_results_only_once_released() -> None:
         # A result's state never reaches the next call's results (new views each call).
         again[0].requires_grad_()
         again[1].unsqueeze_(0)
-        again_ptr = again[0].data_ptr()
+        assert again[0].data_ptr() == first_ptr
         del again, held, third
         with torch.no_grad():
             made = call(5.0)
-        assert made[0].data_ptr() in (first_ptr, again_ptr)  # a kept buffer, reused
+        assert made[0].data_ptr() in (first_ptr, held_ptr)  # a kept buffer, reused
         del made
         fresh = call(6.0)
-        assert fresh[0].data_ptr() in (first_ptr, again_ptr)
+        assert fresh[0].data_ptr() in (first_ptr, held_ptr)
         assert not fresh[0].requires_grad and fresh[1].shape == (4,)
         assert fresh[0].grad_fn is None and fresh[1]._base is not None
         fresh[0].add_(torch.ones(2, 3, requires_grad=True))  # fine in grad mode
         assert torch.equal(fresh[1], torch.full((4,), 12.0))
+        del fresh
+        # Inputs that require grad, in grad mode: results carry their graph, in new
+        # buffers every call (a kept one would chain each call's graph to the last).
+        w = torch.ones(2, 3, requires_grad=True)
+        ptrs = set()
+        for scale in (1.0, 2.0, 3.0):
+            out = comm.reduce_packed(ReduceOp.SUM, [[w * scale]], [topology.devices], 0)
+            total = out[0][0]
+            assert total.requires_grad and torch.equal(total, torch.full((2, 3), scale))
+            (grad,) = torch.autograd.grad(total.sum(), w)
+            assert torch.equal(grad, torch.full((2, 3), scale))  # this call's graph only
+            ptrs.add(total.data_ptr())
+            del out, total
+        assert not ptrs & {first_ptr, held_ptr}
+        plain = call(7.0)  # and the kept buffers still serve plain calls
+        assert plain[0].data_ptr() in (first_ptr, held_ptr) and not plain[0].requires_grad
     finally:
         job.close()
 

@@ -145,7 +145,11 @@ class DistributedCommunicator:
         if known is None:
             known = self._plan(key, reduce_op, per_replica, destinations, bytes_per_pack)
         packs, what, wire, slots, make = known
-        slot = self._slot(slots, make)
+        # (copies of inputs that require grad, in grad mode, give the buffer autograd
+        # history: kept, it would chain every later call's graph to it)
+        graph = torch.is_grad_enabled() and any(
+            t.requires_grad for leaves in per_replica for t in leaves)
+        slot = make(kept=False) if graph else self._slot(slots, make)
         data, fills, views = [], [], []
         for index, (members, parts) in enumerate(zip(packs, slot.parts, strict=True)):
             payload, shaped = slot.results(index, make.leaves[index])

@@ -17,8 +17,11 @@ outside the slot holds it: its storage's owners (any view of it still alive, a
 result held as a parameter's ``.grad``, a ``detach()``, a numpy array, autograd's
 saved tensors, a storage shared with another process), and the Python references,
 C++ owners and weak references of the slot's own tensors, must be exactly what they
-were when the slot was made. A result that is still visible is therefore never
-overwritten: the call takes the plan's other kept slot, or new buffers. A mirrored
+were when the slot was made, and none of them may have autograd history (a call
+copying inputs that require grad, in grad mode, takes new buffers, as every call
+did before slots: a kept buffer would chain each call's graph to the last). A
+result that is still visible is therefore never overwritten: the call takes the
+plan's other kept slot, or new buffers. A mirrored
 optimizer's gradients are released by ``zero_grad()`` (``set_to_none``, torch's
 default), so its step alternates between at most two slots; with
 ``set_to_none=False`` they stay the parameters' ``.grad`` until the next step's
@@ -101,15 +104,15 @@ class ResultSlot:
         return payload, packing.unpack(payload, like)
 
     def free(self) -> bool:
-        """Whether nothing outside the slot holds any of its tensors or their storage
-        (a slot that is not kept: never)."""
+        """Whether nothing outside the slot holds any of its tensors or their storage,
+        and none of them has autograd history (a slot that is not kept: never)."""
         return self._baseline is not None and self._owners() == self._baseline
 
     def _owners(self) -> tuple[int, ...]:
         counts: list[int] = []
         for t in self._tensors():
             counts += (sys.getrefcount(t), t._use_count(),  # type: ignore[attr-defined]
-                       weakref.getweakrefcount(t))
+                       weakref.getweakrefcount(t), t.requires_grad)
         for b in self.buffers:
             storage = b.untyped_storage()
             counts += (torch._C._storage_Use_Count(storage._cdata), sys.getrefcount(storage),

@@ -122,3 +122,15 @@ def test_a_buffer_shared_with_another_process_is_never_reused():
     del again
     gc.collect()
     assert pool.empty(SHAPE, torch.float32, CPU).data_ptr() != address
+
+
+def test_never_reuses_a_buffer_with_autograd_history():
+    pool = BufferPool()
+    taken = pool.empty(SHAPE, torch.float32, CPU)
+    address = taken.data_ptr()
+    taken[:4].copy_(torch.ones(4, requires_grad=True))  # the buffer now has a grad_fn
+    assert taken.requires_grad
+    del taken
+    gc.collect()
+    fresh = pool.empty(SHAPE, torch.float32, CPU)
+    assert fresh.data_ptr() != address and not fresh.requires_grad

@@ -392,6 +392,9 @@ def test_a_kept_slot_is_free_only_when_nothing_else_holds_it() -> None:
     array = slot.results(0, like)[0].numpy()
     assert not slot.free()
     del array
+    storage = slot.results(0, like)[0].untyped_storage()
+    assert not slot.free()  # the storage object itself
+    del storage
     saved = slot.results(0, like)[1][0] * torch.ones(2, 3, requires_grad=True)
     assert not slot.free()  # autograd saved it for backward
     del saved
@@ -406,6 +409,9 @@ def test_a_kept_slot_is_free_only_when_nothing_else_holds_it() -> None:
     not_kept = ResultSlot([(6, torch.float32, 2, True)], [True], torch.device("cpu"),
                           kept=False)
     assert not not_kept.free()
+    assert not slot.stuck()
+    slot.results(0, like)[0].share_memory_()  # another process may read it: never again
+    assert not slot.free() and slot.stuck()
 
 
 def test_repeated_calls_reuse_results_only_once_released() -> None:
@@ -423,6 +429,8 @@ def test_repeated_calls_reuse_results_only_once_released() -> None:
                                      [topology.devices] * 2, 0)
             return [values[0] for values in out]
 
+        call(0.5)  # a plan's first call keeps nothing (it may never repeat)
+        assert comm._kept_bytes == 0
         first = call(1.0)
         first_ptr = first[0].data_ptr()
         held = call(2.0)  # `first` held: another slot
@@ -455,9 +463,17 @@ def test_repeated_calls_reuse_results_only_once_released() -> None:
         fresh[0].add_(torch.ones(2, 3, requires_grad=True))  # fine in grad mode
         assert torch.equal(fresh[1], torch.full((4,), 12.0))
         del fresh
-        # Inputs that require grad, in grad mode: results carry their graph, in new
-        # buffers every call (a kept one would chain each call's graph to the last).
+        # Inputs that require grad, in grad mode, through the same plan: new buffers,
+        # the kept ones untouched (a kept one would chain each call's graph to the last).
+        [slots] = [known[3] for known in comm._plans.values() if len(known[3]) == 2]
         w = torch.ones(2, 3, requires_grad=True)
+        for scale in (1.0, 2.0):
+            out = comm.reduce_packed(ReduceOp.SUM, [[w * scale, leaves[1]]],
+                                     [topology.devices] * 2, 0)
+            assert out[0][0].requires_grad and out[0][0].data_ptr() not in (first_ptr, held_ptr)
+            assert torch.equal(out[0][0], torch.full((2, 3), scale))
+            del out
+        assert len(slots) == 2  # (one took history from `fresh`'s add_ above: dropped below)
         ptrs = set()
         for scale in (1.0, 2.0, 3.0):
             out = comm.reduce_packed(ReduceOp.SUM, [[w * scale]], [topology.devices], 0)
@@ -470,6 +486,25 @@ def test_repeated_calls_reuse_results_only_once_released() -> None:
         assert not ptrs & {first_ptr, held_ptr}
         plain = call(7.0)  # and the kept buffers still serve plain calls
         assert plain[0].data_ptr() in (first_ptr, held_ptr) and not plain[0].requires_grad
+        # A result given autograd history in place: its slot can never be free again,
+        # and is dropped (with the graph it holds) at the next call that needs one.
+        plain[0].mul_(w)
+        del plain
+        kept = comm._kept_bytes
+        with torch.inference_mode():  # inference slots stay apart from the others
+            inferred = call(8.0)
+        assert inferred[0].data_ptr() not in (first_ptr, held_ptr)
+        del inferred
+        again = call(9.0), call(9.5)
+        assert len(slots) == 2 and comm._kept_bytes <= kept
+        assert not any(t.requires_grad for s in slots for t in s.buffers)
+        del again
+        # A call whose destinations are a new tuple each time keeps nothing.
+        before = comm._kept_bytes
+        places = [tuple(list(topology.devices)) for _ in range(5)]  # (alive: new ids)
+        for place in places:
+            comm.reduce_packed(ReduceOp.SUM, [[torch.ones(6)]], [place], 0)
+        assert comm._kept_bytes == before
     finally:
         job.close()
 

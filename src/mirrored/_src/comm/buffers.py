@@ -11,7 +11,9 @@ slices), and a storage moved to shared memory (``share_memory_``, a tensor sent
 through ``torch.multiprocessing``: another process may read it) is dropped from
 the pool. Any such owner keeps the buffer out of reuse, so a result is never
 overwritten while visible: no weak reference either (a result held only through a
-``weakref`` stays untouched). Buffers made under ``torch.inference_mode()`` are
+``weakref`` stays untouched). Nor is a buffer with autograd history (an in-place
+op wrote an input that requires grad into it): reused, the next result would carry
+that graph. Buffers made under ``torch.inference_mode()`` are
 inference tensors and are only ever reused under it, and the others only outside
 it. The pool holds at most `MAX_BYTES` (256 MiB) of idle buffers, least recently
 used first out. Strategies share the process-wide pool and count as its users
@@ -75,7 +77,10 @@ def _only_the_pool_holds(tensor: torch.Tensor) -> bool:
     # (autograd's saved tensors, DLPack) and the owners of its storage (views, numpy
     # arrays, storage objects).
     impl_owners: int = tensor._use_count()  # type: ignore[attr-defined]
-    return impl_owners == 1 and _storage_owners(tensor) == _BASELINE
+    # (autograd history, from an in-place op with an input that requires grad: reused,
+    # the next result would carry it and chain its graph to the last one's)
+    return (impl_owners == 1 and not tensor.requires_grad
+            and _storage_owners(tensor) == _BASELINE)
 
 
 _Key = tuple[tuple[int, ...], torch.dtype, bool]

@@ -149,7 +149,7 @@ class DistributedCommunicator:
         # history: kept, it would chain every later call's graph to it)
         graph = torch.is_grad_enabled() and any(
             t.requires_grad for leaves in per_replica for t in leaves)
-        slot = make(kept=False) if graph else self._slot(slots, make)
+        slot = make(kept=False, pooled=False) if graph else self._slot(slots, make)
         data, fills, views = [], [], []
         for index, (members, parts) in enumerate(zip(packs, slot.parts, strict=True)):
             payload, shaped = slot.results(index, make.leaves[index])
@@ -212,14 +212,20 @@ class DistributedCommunicator:
         return known
 
     def _slot(self, slots: list[ResultSlot], make: SlotMaker) -> ResultSlot:
-        """A kept slot of the plan that nothing else holds, else a new one (kept while
-        the plan keeps fewer than `KEPT_PER_PLAN` and the communicator's kept bytes
-        stay under 16 `KEPT_BYTES`)."""
+        """A kept slot of the plan that nothing else holds, else a new one: kept from
+        the plan's second call on (a plan whose destinations are a new tuple at every
+        call never repeats), while the plan keeps fewer than `KEPT_PER_PLAN` and the
+        communicator's kept bytes stay under 16 `KEPT_BYTES`. A kept slot that can
+        never be free again (autograd history, shared storage) is dropped."""
         inference = torch.is_inference_mode_enabled()
         for slot in slots:
             if slot.inference == inference and slot.free():
                 return slot
-        keep = (make.keep and len(slots) < KEPT_PER_PLAN
+        for slot in [s for s in slots if s.stuck()]:
+            slots.remove(slot)
+            self._kept_bytes -= make.nbytes
+        make.calls += 1
+        keep = (make.keep and make.calls > 1 and len(slots) < KEPT_PER_PLAN
                 and self._kept_bytes + make.nbytes <= 16 * KEPT_BYTES)
         slot = make(kept=keep)
         if keep:

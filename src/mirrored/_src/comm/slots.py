@@ -69,7 +69,8 @@ class ResultSlot:
             or a pack of one leaf) rather than from its leaves.
         device: where the buffers live.
         kept: kept by a plan (its own buffers, compared at each reuse); otherwise
-            used once, from the process-wide pool.
+            used once, from the process-wide pool unless ``pooled`` is false (a call
+            whose inputs require grad: its buffer takes their autograd history).
 
     Example:
         >>> slot = ResultSlot([(3, torch.float32, 2, True)], [False], torch.device("cpu"),
@@ -85,8 +86,8 @@ class ResultSlot:
     __slots__ = ("_baseline", "_sizes", "buffers", "inference", "parts")
 
     def __init__(self, sizes: _Sizes, flat: Sequence[bool], device: torch.device, *,
-                 kept: bool) -> None:
-        empty = torch.empty if kept else default_pool().empty
+                 kept: bool, pooled: bool = True) -> None:
+        empty = default_pool().empty if pooled and not kept else torch.empty
         self.inference = torch.is_inference_mode_enabled()
         self._sizes = sizes
         self.buffers = [empty((n + extra,), dtype=dtype, device=device)
@@ -107,6 +108,13 @@ class ResultSlot:
         """Whether nothing outside the slot holds any of its tensors or their storage,
         and none of them has autograd history (a slot that is not kept: never)."""
         return self._baseline is not None and self._owners() == self._baseline
+
+    def stuck(self) -> bool:
+        """Whether the slot can never be free again: a tensor of it has autograd
+        history (an in-place op of a result with an input that requires grad), or its
+        storage is shared with another process."""
+        return any(t.requires_grad for t in self._tensors()) or any(
+            b.untyped_storage().is_shared() for b in self.buffers)
 
     def _owners(self) -> tuple[int, ...]:
         counts: list[int] = []
@@ -135,7 +143,7 @@ class SlotMaker:
     data), the collectives' ``kind``, and whether its slots may be kept (host
     buffers of at most `KEPT_BYTES` in all, on a torch that reports their owners)."""
 
-    __slots__ = ("device", "flat", "keep", "kind", "leaves", "nbytes", "sizes")
+    __slots__ = ("calls", "device", "flat", "keep", "kind", "leaves", "nbytes", "sizes")
 
     def __init__(self, sizes: _Sizes, leaves: Sequence[Sequence[torch.Tensor]],
                  flat: Sequence[bool], device: torch.device, kind: str) -> None:
@@ -144,9 +152,10 @@ class SlotMaker:
                        for pack in leaves]
         self.nbytes = sum((n + extra) * dtype.itemsize for n, dtype, extra, _ in sizes)
         self.keep = device.type == "cpu" and self.nbytes <= KEPT_BYTES and _CAN_KEEP
+        self.calls = 0  # slots asked for without a free kept one (`_slot`)
 
-    def __call__(self, *, kept: bool) -> ResultSlot:
-        return ResultSlot(self.sizes, self.flat, self.device, kept=kept)
+    def __call__(self, *, kept: bool, pooled: bool = True) -> ResultSlot:
+        return ResultSlot(self.sizes, self.flat, self.device, kept=kept, pooled=pooled)
 
 
 # Whether this torch reports the owners a kept slot's reuse depends on.

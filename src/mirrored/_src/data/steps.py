@@ -5,6 +5,7 @@ process, as TF)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Generator, Iterable, Sequence
 from itertools import repeat
 from operator import attrgetter, is_
@@ -60,9 +61,15 @@ def pack_step(spec: Any, per_leaf: Sequence[Sequence[torch.Tensor]], topology: T
     return tuple(values) if spec is None else pytree.unflatten(spec, values)
 
 
+@functools.lru_cache(maxsize=64)
+def _canonical(names: tuple[str, ...]) -> tuple[str, ...]:
+    return PerReplica(names, devices=names).devices
+
+
 def _names(topology: Topology) -> tuple[str, ...]:
-    """The canonical names of the local replicas' devices (`PerReplica.devices`)."""
-    return PerReplica(topology.device_names, devices=topology.device_names).devices
+    """The canonical names of the local replicas' devices (`PerReplica.devices`),
+    made once per set of names."""
+    return _canonical(topology.device_names)
 
 
 def _as_is(batch: Any, device: torch.device | None) -> bool:

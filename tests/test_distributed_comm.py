@@ -414,6 +414,36 @@ def test_a_kept_slot_is_free_only_when_nothing_else_holds_it() -> None:
     assert not slot.free() and slot.stuck()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_repeated_half_precision_calls_reuse_buffers_only_once_released(dtype) -> None:
+    # Half precision carries its check in a header, not a trailer: the kept buffers
+    # hold the payload only, and a held result keeps its values.
+    job = Job.start(JobSpec(backend="gloo", rank=0, world_size=1, timeout_seconds=10,
+                            master_port=mirrored.testing.find_free_port()))
+    try:
+        topology = Topology(devices=parse_devices(["CPU:0"]))
+        comm = DistributedCommunicator(mirrored.ReductionToOneDevice(), topology, job=job)
+
+        def call(value: float) -> list[torch.Tensor]:
+            leaves = [torch.full((3, 2), value, dtype=dtype), torch.full((5,), -value,
+                                                                          dtype=dtype)]
+            return [v[0] for v in comm.reduce_packed(ReduceOp.SUM, [leaves],
+                                                     [topology.devices] * 2, 0)]
+
+        held = [call(float(k)) for k in range(4)]  # every result held: never overwritten
+        for k, (a, b) in enumerate(held):
+            assert a.dtype == dtype and torch.equal(a, torch.full((3, 2), float(k), dtype=dtype))
+            assert torch.equal(b, torch.full((5,), -float(k), dtype=dtype))
+        assert len({a.data_ptr() for a, _ in held}) == 4
+        kept = [a.data_ptr() for a, _ in held[1:3]]  # (a plan keeps from its second call)
+        del held
+        again = call(0.5)
+        assert again[0].data_ptr() in kept and torch.equal(
+            again[1], torch.full((5,), -0.5, dtype=dtype))
+    finally:
+        job.close()
+
+
 def test_repeated_calls_reuse_results_only_once_released() -> None:
     # One worker: a kept slot's results come back at the next call once released, never
     # while held (a held result keeps its values; the call takes the other slot).

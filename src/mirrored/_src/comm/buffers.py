@@ -34,13 +34,15 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["MAX_BYTES", "BufferPool", "default_pool"]
+__all__ = ["MAX_BYTES", "OWNERS_KNOWN", "BufferPool", "default_pool", "storage_owners"]
 
 _MIN_BYTES = 1 << 20
 MAX_BYTES = 256 << 20
 
 
-def _storage_owners(tensor: torch.Tensor) -> tuple[int, int, bool]:
+def storage_owners(tensor: torch.Tensor) -> tuple[int, int, bool]:
+    """The owners of ``tensor``'s storage: (C++ owners: tensors and storage objects
+    on it, Python references of its storage object, shared with another process)."""
     # (C++ owners, Python references of the storage object, shared with another
     # process: a tensor sent through torch.multiprocessing or share_memory_()).
     storage = tensor.untyped_storage()
@@ -49,14 +51,16 @@ def _storage_owners(tensor: torch.Tensor) -> tuple[int, int, bool]:
 
 
 def _baseline() -> tuple[int, int, bool] | None:
-    # What `_storage_owners` reports for a tensor nobody else holds; measured rather
+    # What `storage_owners` reports for a tensor nobody else holds; measured rather
     # than assumed, since torch's storage bookkeeping differs between versions.
     if not (hasattr(torch._C, "_storage_Use_Count") and hasattr(torch.Tensor, "_use_count")):
         return None
-    return _storage_owners(torch.empty(1))
+    return storage_owners(torch.empty(1))
 
 
 _BASELINE = _baseline()
+# Whether this torch reports the owners that reusing a buffer depends on.
+OWNERS_KNOWN = _BASELINE is not None
 
 
 def _find_malloc_trim() -> Callable[[int], int] | None:
@@ -80,7 +84,7 @@ def _only_the_pool_holds(tensor: torch.Tensor) -> bool:
     # (autograd history, from an in-place op with an input that requires grad: reused,
     # the next result would carry it and chain its graph to the last one's)
     return (impl_owners == 1 and not tensor.requires_grad
-            and _storage_owners(tensor) == _BASELINE)
+            and storage_owners(tensor) == _BASELINE)
 
 
 _Key = tuple[tuple[int, ...], torch.dtype, bool]
@@ -100,7 +104,7 @@ class BufferPool:
         self._max_bytes = max_bytes
         self._bytes = 0
         self._lock = threading.Lock()
-        self._enabled = _BASELINE is not None
+        self._enabled = OWNERS_KNOWN
         self._users = 0
 
     @property

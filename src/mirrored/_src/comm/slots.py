@@ -37,7 +37,7 @@ from collections.abc import Sequence
 import torch
 
 from . import packing
-from .buffers import default_pool
+from .buffers import OWNERS_KNOWN, default_pool, storage_owners
 
 __all__ = ["CHUNKS", "CHUNK_MIN_BYTES", "KEPT_BYTES", "KEPT_PER_PLAN", "ResultSlot",
            "SlotMaker"]
@@ -83,7 +83,7 @@ class ResultSlot:
         True
     """
 
-    __slots__ = ("_baseline", "_sizes", "buffers", "inference", "parts")
+    __slots__ = ("_all", "_baseline", "_sizes", "buffers", "inference", "parts")
 
     def __init__(self, sizes: _Sizes, flat: Sequence[bool], device: torch.device, *,
                  kept: bool, pooled: bool = True) -> None:
@@ -96,6 +96,9 @@ class ResultSlot:
         # `CrossWorkerCalls`), each a `Part`. Never handed out.
         self.parts = [_layout(b, s, f) for b, s, f in
                       zip(self.buffers, sizes, flat, strict=True)]
+        # Every tensor of the slot, and its baseline owners (see `free`).
+        self._all = [*self.buffers, *(t for parts in self.parts for chunk, _, dst in parts
+                                      for t in (chunk, dst) if t is not None)]
         self._baseline = self._owners() if kept else None
 
     def results(self, index: int, like: Sequence[torch.Tensor]
@@ -113,28 +116,17 @@ class ResultSlot:
         """Whether the slot can never be free again: a tensor of it has autograd
         history (an in-place op of a result with an input that requires grad), or its
         storage is shared with another process."""
-        return any(t.requires_grad for t in self._tensors()) or any(
+        return any(t.requires_grad for t in self._all) or any(
             b.untyped_storage().is_shared() for b in self.buffers)
 
     def _owners(self) -> tuple[int, ...]:
         counts: list[int] = []
-        for t in self._tensors():
+        for t in self._all:
             counts += (sys.getrefcount(t), t._use_count(),  # type: ignore[attr-defined]
                        weakref.getweakrefcount(t), t.requires_grad)
         for b in self.buffers:
-            storage = b.untyped_storage()
-            counts += (torch._C._storage_Use_Count(storage._cdata), sys.getrefcount(storage),
-                       storage.is_shared())
+            counts += storage_owners(b)
         return tuple(counts)
-
-    def _tensors(self) -> list[torch.Tensor]:
-        out = list(self.buffers)
-        for parts in self.parts:
-            for chunk, _, dst in parts:
-                out.append(chunk)
-                if dst is not None:
-                    out.append(dst)
-        return out
 
 
 class SlotMaker:
@@ -151,15 +143,11 @@ class SlotMaker:
         self.leaves = [[torch.empty(t.shape, dtype=t.dtype, device="meta") for t in pack]
                        for pack in leaves]
         self.nbytes = sum((n + extra) * dtype.itemsize for n, dtype, extra, _ in sizes)
-        self.keep = device.type == "cpu" and self.nbytes <= KEPT_BYTES and _CAN_KEEP
+        self.keep = device.type == "cpu" and self.nbytes <= KEPT_BYTES and OWNERS_KNOWN
         self.calls = 0  # slots asked for without a free kept one (`_slot`)
 
     def __call__(self, *, kept: bool, pooled: bool = True) -> ResultSlot:
         return ResultSlot(self.sizes, self.flat, self.device, kept=kept, pooled=pooled)
-
-
-# Whether this torch reports the owners a kept slot's reuse depends on.
-_CAN_KEEP = hasattr(torch._C, "_storage_Use_Count") and hasattr(torch.Tensor, "_use_count")
 
 
 def _layout(buffer: torch.Tensor, size: tuple[int, torch.dtype, int, bool], flat: bool

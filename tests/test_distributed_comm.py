@@ -523,7 +523,9 @@ def test_repeated_calls_reuse_results_only_once_released() -> None:
         kept = comm._kept_bytes
         with torch.inference_mode():  # inference slots stay apart from the others
             inferred = call(8.0)
-        assert inferred[0].data_ptr() not in (first_ptr, held_ptr)
+        # (by the slot that holds it: a dropped slot's freed address may come back)
+        owner = [s for s in slots if s.buffers[0].data_ptr() == inferred[0].data_ptr()]
+        assert all(s.inference for s in owner)
         del inferred
         again = call(9.0), call(9.5)
         assert len(slots) == 2 and comm._kept_bytes <= kept

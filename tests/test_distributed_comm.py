@@ -8,7 +8,6 @@ single-process reference built from the same closed-form inputs.
 from __future__ import annotations
 
 import functools
-import multiprocessing
 import os
 import pickle
 import queue
@@ -29,6 +28,7 @@ from mirrored._src.comm.distributed import DistributedCommunicator
 from mirrored._src.devices import parse_devices
 from mirrored._src.errors import WorkerFailureError
 from mirrored._src.reduce_op import ReduceOp
+from mirrored._src.testing import process_context
 from mirrored._src.topology import Topology
 
 pytestmark = pytest.mark.multiprocess
@@ -71,7 +71,7 @@ def _spawn(fn: Callable[..., Any], world: int, local: int = 1, *, hard_timeout: 
            **options: float) -> dict[int, tuple[str, Any]]:
     """Runs ``fn(comm, topology)`` on ``world`` workers; rank -> ("ok", value) or
     ("error", (type name, message, traceback)). Kills every child on the way out."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = process_context()  # forked from a server that imported torch once
     results = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_child, args=(fn, r, world, local, port, dict(options),

@@ -2,8 +2,9 @@
 each child, failures and deaths reported with rank and traceback, timeouts, a real Gloo
 all_reduce, and no process left behind on any path.
 
-The functions the children run are module-level, so "spawn" children can import them.
-Few multi-process tests on purpose: each child imports torch (~1-2 s).
+The functions the children run are module-level, so the children can import them (a
+forked rank unpickles its function as a "spawn" child does). The ranks fork from a
+server that imported torch once; a "spawn" rank imports it itself (~1-2 s).
 """
 
 from __future__ import annotations
@@ -113,9 +114,11 @@ def _assert_all_dead(pids: dict[str, int]) -> None:
 
 
 @pytest.mark.timeout(90)
-def test_results_in_rank_order_with_torchrun_variables():
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_results_in_rank_order_with_torchrun_variables(start_method):
     results = run_multi_process(_describe, 3, args=(100,), kwargs={"scale": 7},
-                                env={"MIRRORED_TEST_VALUE": "hello"})
+                                env={"MIRRORED_TEST_VALUE": "hello"},
+                                start_method=start_method)
     assert [r["value"] for r in results] == [100 + 7 * rank for rank in range(3)]
     port = results[0]["env"]["MASTER_PORT"]
     assert 1 <= int(port) <= 65535
@@ -127,6 +130,23 @@ def test_results_in_rank_order_with_torchrun_variables():
         assert r["pgid"] == r["pid"] != os.getpid()  # each rank leads its own group
     assert len({r["pid"] for r in results}) == 3
     _assert_all_dead({str(i): r["pid"] for i, r in enumerate(results)})
+
+
+def _environment(name: str) -> tuple[str | None, str | None]:
+    return os.environ.get(name), os.environ.get("RANK")
+
+
+@pytest.mark.timeout(90)
+def test_ranks_get_the_callers_environment_as_it_is_at_each_call(monkeypatch):
+    # (the fork server keeps the environment it started with; each call's ranks get
+    # the caller's, as "spawn" children would)
+    name = "MIRRORED_CALLER_VALUE"
+    monkeypatch.setenv(name, "first")
+    assert run_multi_process(_environment, 2, args=(name,)) == [("first", "0"), ("first", "1")]
+    monkeypatch.setenv(name, "second")
+    assert run_multi_process(_environment, 1, args=(name,)) == [("second", "0")]
+    monkeypatch.delenv(name)
+    assert run_multi_process(_environment, 1, args=(name,)) == [(None, "0")]
 
 
 @pytest.mark.timeout(90)
@@ -186,14 +206,18 @@ def test_gloo_all_reduce_across_two_processes():
 
 
 @pytest.mark.timeout(90)
-def test_ranks_end_with_their_process_groups_when_the_parent_is_killed(tmp_path):
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_ranks_end_with_their_process_groups_when_the_parent_is_killed(tmp_path, start_method):
     import mirrored
 
+    # (a forked rank's parent is the fork server, which its ranks keep alive: the ranks
+    # watch a pipe from the caller instead)
     paths = [str(Path(__file__).parent), str(Path(mirrored.__file__).parents[1])]
     script = (f"import sys; sys.path[:0] = {paths!r}\n"
               "from mirrored.testing import run_multi_process\n"
               "from test_testing import _hang_on_rank_1\n"
-              f"run_multi_process(_hang_on_rank_1, 2, args=({str(tmp_path)!r},), timeout=80)\n")
+              f"run_multi_process(_hang_on_rank_1, 2, args=({str(tmp_path)!r},), timeout=80, "
+              f"start_method={start_method!r})\n")
     parent = subprocess.Popen([sys.executable, "-c", script])
     try:
         end = time.monotonic() + 60
@@ -238,6 +262,8 @@ def _unused() -> None:
      r"must pickle \(use a module-level function, not a lambda or a closure\); pickling "
      r"failed: .*lambda"),
     (lambda: run_multi_process(_unused, 1, args=(lambda: 1,)), TypeError, r"must pickle"),
+    (lambda: run_multi_process(_unused, 1, start_method="fork"), ValueError,
+     r"start_method must be one of \('forkserver', 'spawn'\); got 'fork'"),
 ])
 def test_argument_errors(call, error, match):
     with pytest.raises(error, match=match):

@@ -1,7 +1,11 @@
 """`run_multi_process`: run a function in several fresh worker processes wired like
 torchrun, for tests of multi-worker code on one machine.
 
-Each rank is a "spawn" child in its own process group with torchrun's variables set. It
+Each rank is a child process in its own process group with torchrun's variables set,
+forked from one server process that imported torch and this library once
+(multiprocessing's "forkserver", where the platform has it; "spawn" elsewhere or when
+asked): a rank starts in milliseconds instead of importing torch for seconds. It
+gets the caller's environment as it is at the call, as a "spawn" child would. It
 sends back one pickled report (its return value, or its exception's formatted traceback)
 through its own pipe, runs what a normal exit runs (``atexit`` functions, weakref
 finalizers), then leaves with ``os._exit`` (no interpreter teardown to hang in).
@@ -17,6 +21,7 @@ import atexit
 import contextlib
 import math
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import pickle
 import signal
@@ -33,7 +38,7 @@ import torch
 
 from .errors import MirroredError
 
-__all__ = ["MultiProcessError", "find_free_port", "run_multi_process"]
+__all__ = ["MultiProcessError", "find_free_port", "process_context", "run_multi_process"]
 
 _FAILURE_GRACE_SECONDS = 3.0  # how long the other ranks may still report after a failure
 _JOIN_SECONDS = 10.0  # a SIGKILLed child is gone well within this
@@ -69,10 +74,44 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """Runs in a child: when the parent is gone, end this rank and what it started."""
-    while os.getppid() == parent_pid:
-        time.sleep(0.5)
+# What the fork server imports once, before it forks any rank (torch._dynamo: torch
+# imports it at an optimizer's first step, for seconds).
+_PRELOAD = ["torch", "torch._dynamo", "mirrored"]
+START_METHODS = ("forkserver", "spawn")
+
+
+def process_context(start_method: str = "forkserver") -> Any:
+    """The multiprocessing context `run_multi_process` starts ranks with: "forkserver"
+    (the fork server preloads torch, ``torch._dynamo`` and this library, besides
+    what the program asked it to; it falls back to "spawn" where the platform has no
+    fork server), or "spawn".
+
+    Example:
+        >>> process_context("spawn").get_start_method()
+        'spawn'
+    """
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method must be one of {START_METHODS}; got {start_method!r}")
+    if start_method == "forkserver":
+        if "forkserver" not in multiprocessing.get_all_start_methods():
+            return multiprocessing.get_context("spawn")
+        ctx = multiprocessing.get_context("forkserver")
+        server = getattr(multiprocessing.forkserver, "_forkserver", None)
+        asked = list(getattr(server, "_preload_modules", []))  # the program's own
+        # (once the server runs this has no effect: it keeps what it imported)
+        ctx.set_forkserver_preload(list(dict.fromkeys([*asked, *_PRELOAD])))
+        return ctx
+    return multiprocessing.get_context(start_method)
+
+
+def _exit_with_parent(alive: Connection) -> None:
+    """Runs in a child: when the caller is gone, end this rank and what it started.
+    ``alive``: the read end of a pipe whose only write end the caller holds, so it
+    reads EOF once the caller exits or is killed (a forked rank's parent is the fork
+    server, which outlives the caller as long as its children do)."""
+    with contextlib.suppress(EOFError, OSError):
+        while True:
+            alive.recv_bytes()
     if hasattr(os, "killpg") and os.getpgid(0) == os.getpid():
         os.killpg(0, signal.SIGKILL)  # this rank's own group, itself included
     os._exit(70)
@@ -85,13 +124,16 @@ def _summary(error: BaseException) -> str:
 
 
 def _child_main(rank: int, env: dict[str, str], payload: bytes, conn: Connection,
-                num_threads: int, parent_pid: int) -> None:
-    """Entry point of one rank (runs in the child)."""
+                num_threads: int, alive: Connection) -> None:
+    """Entry point of one rank (runs in the child). ``env``: its whole environment (a
+    forked child has the fork server's)."""
     with contextlib.suppress(OSError, AttributeError):  # AttributeError: not POSIX
         os.setpgid(0, 0)  # own group: the parent can kill what this rank starts
-    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True,
+    threading.Thread(target=_exit_with_parent, args=(alive,), daemon=True,
                      name="mirrored-exit-with-parent").start()
-    os.environ.update(env)
+    if os.environ != env:
+        os.environ.clear()
+        os.environ.update(env)
     torch.set_num_threads(num_threads)
     report: tuple[str, Any, str]
     try:
@@ -150,7 +192,8 @@ def _check(fn: object, world_size: object, args: object, kwargs: object, timeout
 def run_multi_process(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (),
                       kwargs: Mapping[str, Any] | None = None, timeout: float = 60.0,
                       env: Mapping[str, str] | None = None,
-                      grace: float = _FAILURE_GRACE_SECONDS) -> list[Any]:
+                      grace: float = _FAILURE_GRACE_SECONDS,
+                      start_method: str = "forkserver") -> list[Any]:
     """Runs ``fn(*args, **kwargs)`` in ``world_size`` fresh processes, one per rank, as
     torchrun would, and returns their results in rank order.
 
@@ -170,6 +213,12 @@ def run_multi_process(fn: Callable[..., Any], world_size: int, *, args: Sequence
         grace: once a rank failed, how long the others may still report (seconds)
             before they are killed; a test of how survivors react to a death needs
             more than the default 3 s.
+        start_method: "forkserver" (the default: ranks are forked from one server
+            process that imported torch, ``torch._dynamo`` and this library once,
+            started at the first call and kept for the caller's life; "spawn" where
+            the platform has no fork server) or "spawn" (each rank a fresh
+            interpreter that imports everything itself, seconds per rank). Either
+            way a rank gets the caller's environment as it is at the call.
 
     Returns:
         Each rank's return value (pickled back), in rank order.
@@ -182,8 +231,8 @@ def run_multi_process(fn: Callable[..., Any], world_size: int, *, args: Sequence
         TimeoutError: some ranks had not reported when ``timeout`` passed; it names them.
             Every child is killed with its process group.
         TypeError: ``fn``, ``args`` or ``kwargs`` do not pickle, or a wrong argument type.
-        ValueError: ``world_size < 1``, a non-positive ``timeout``, or a bad
-            ``OMP_NUM_THREADS`` in ``env``.
+        ValueError: ``world_size < 1``, a non-positive ``timeout``, a bad
+            ``OMP_NUM_THREADS`` in ``env``, or an unknown ``start_method``.
 
     Example:
         >>> import os
@@ -200,16 +249,18 @@ def run_multi_process(fn: Callable[..., Any], world_size: int, *, args: Sequence
     deadline = time.monotonic() + timeout
     base = {"WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port())}
-    ctx = multiprocessing.get_context("spawn")
+    ctx = process_context(start_method)
     procs: list[multiprocessing.process.BaseProcess] = []
     readers: list[Connection] = []
+    alive, alive_writer = ctx.Pipe(duplex=False)  # EOF in the ranks once this process ends
     try:
         for rank in range(world_size):
-            child_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), **env_d}
+            child_env = {**os.environ, **base, "RANK": str(rank), "LOCAL_RANK": str(rank),
+                         **env_d}
             reader, writer = ctx.Pipe(duplex=False)
             readers.append(reader)
             proc = ctx.Process(target=_child_main, name=f"mirrored-rank-{rank}",
-                               args=(rank, child_env, payload, writer, threads, os.getpid()))
+                               args=(rank, child_env, payload, writer, threads, alive))
             try:
                 proc.start()
             finally:
@@ -220,6 +271,8 @@ def run_multi_process(fn: Callable[..., Any], world_size: int, *, args: Sequence
         _stop(procs)
         for reader in readers:
             reader.close()
+        alive.close()
+        alive_writer.close()
     return _result(outcome, procs, timeout)
 
 

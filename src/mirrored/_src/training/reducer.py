@@ -239,7 +239,7 @@ class GradientReducer:
                 return
             # (elastic: after the vote, which every worker makes)
             self._frozen(r, reduced[n], at, live, width)
-            slots = self._divisors(r, reduced[n][at:at + self._num_replicas], width)
+            slots = self._divisors(r, reduced[n], at, width)
             for p, t in zip(params, reduced[:n], strict=True):
                 p.grad = t
         else:  # the last bucket's gradients and the rest follow in one all-reduce
@@ -247,7 +247,7 @@ class GradientReducer:
             reduced = self._sum(ctx, [*(grads[k] for k in last), meta, *stats, *sends])
             self.seq[r] += 1
             self._frozen(r, reduced[len(last)], at, None, width)
-            slots = self._divisors(r, reduced[len(last)][at:at + self._num_replicas], width)
+            slots = self._divisors(r, reduced[len(last)], at, width)
             for k, t in zip(last, reduced, strict=False):
                 params[k].grad = t
             reduced = [*params, *reduced[len(last):]]
@@ -284,13 +284,15 @@ class GradientReducer:
             warnings.warn(_NO_LOSS.format(n=live or self._num_replicas), LossScalingWarning,
                           stacklevel=user_stacklevel())
 
-    def _divisors(self, r: int, slots: torch.Tensor, width: int) -> list[float] | None:
-        """The step's divisor slots, read when local replica ``r`` compares them (it
-        sent or saw a ``global_batch_size``) or the check reads its table (``width``),
-        else ``None``; raises (`_same_divisors`) if they differ."""
+    def _divisors(self, r: int, meta: torch.Tensor, at: int, width: int
+                  ) -> list[float] | None:
+        """The step's divisor slots (of the reduced ``meta``, from ``at``), read when
+        local replica ``r`` compares them (it sent or saw a ``global_batch_size``) or
+        the check reads its table (``width``), else ``None`` (not even sliced); raises
+        (`_same_divisors`) if they differ."""
         if not (width or self._divisor_seen[r]):
             return None
-        values = slots.tolist()
+        values = meta[at:at + self._num_replicas].tolist()
         if self._divisor_seen[r] or any(v > 0 for v in values):
             self._divisor_seen[r] = True
             _same_divisors(values)

@@ -86,7 +86,7 @@ class CrossWorkerCalls:
         seq, prediction = ledger.enter(key, wire)
         text = _CallText(who, what, index, ledger.in_run, ledger.run)
         if self._job is not None:
-            self._job.note_progress(seq, seq - 1)
+            self._job.note_progress(seq, ledger.completed)  # (launched calls may be pending)
             self.watch.fail_if_gone(seq, text)
         check = self._check
         ident = call_identity(key_hash, seq, ledger.run, index, ledger.examples) if check else 0
@@ -149,7 +149,7 @@ class CrossWorkerCalls:
         ledger.agreed = None  # this call's sizes were agreed another way
         text = f"{short(what)} (collective {index} {ledger.phase_text()})"
         if self._job is not None:
-            self._job.note_progress(seq, seq - 1)
+            self._job.note_progress(seq, ledger.completed)  # (launched calls may be pending)
             self.watch.fail_if_gone(seq, text)
         codec = self._codec(wire) if self._check else None
         predicted, end, expected = 0, 0, b""

@@ -137,7 +137,7 @@ class CallWatch:
         if during:
             names = ", ".join(str(r) for r in sorted(during))
             why = "; ".join(f"worker {r} on {reason}" if reason else
-                            f"worker {r} inside collective #{left[r][0]}"
+                            f"worker {r} inside collective #{left[r][1] + 1}"
                             for r, reason in sorted(during.items()))
             self.fail(WorkerFailureError(
                 f"worker {names} left the job ({why}) while worker {me} was in {text} "

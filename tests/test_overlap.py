@@ -246,7 +246,9 @@ def test_overlap_is_bitwise_the_same_across_workers(local: int) -> None:
 def _worker_mismatch() -> str:
     overlap_module.DEFAULT_BUCKET_BYTES = 256
     strategy = mirrored.MultiWorkerMirroredStrategy(
-        communication_options=CommunicationOptions(timeout_seconds=20), devices=["CPU:0"],
+        # (12 s: worker 0 leaves after its 5 s wait for worker 1's call; the process
+        # group's end then waits out the bucket worker 1 never joined, up to this bound)
+        communication_options=CommunicationOptions(timeout_seconds=12), devices=["CPU:0"],
         failure_timeout_seconds=4.0)  # worker 1 names worker 0 gone in 4 s, not 10
     worker = strategy.cluster_resolver.worker_index
     model = strategy.mirror(Net(torch.float32))

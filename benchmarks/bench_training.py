@@ -203,7 +203,7 @@ class Mirrored:
 
 
 def ddp_worker(batches: list[int], repeats: int, inner: int) -> list[float]:
-    """One DDP rank (spawned by run_multi_process): median seconds per step per batch."""
+    """One DDP rank (started by run_multi_process): median seconds per step per batch."""
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     model = nn.parallel.DistributedDataParallel(make_mlp())

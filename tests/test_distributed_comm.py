@@ -1,8 +1,9 @@
 """DistributedCommunicator across real processes: Gloo over 127.0.0.1.
 
-Each test spawns 2 or 3 workers (1-2 logical CPU replicas each) with a small
-private helper; results come back to the parent, which compares them with a
-single-process reference built from the same closed-form inputs.
+Each test starts 2 or 3 workers (1-2 logical CPU replicas each; forked from the
+fork server of `process_context`) with a small private helper; results come back
+to the parent, which compares them with a single-process reference built from the
+same closed-form inputs.
 """
 
 from __future__ import annotations

@@ -149,6 +149,18 @@ def test_ranks_get_the_callers_environment_as_it_is_at_each_call(monkeypatch):
     assert run_multi_process(_environment, 1, args=(name,)) == [(None, "0")]
 
 
+def _numpy_draw() -> float:
+    return float(np.random.random())
+
+
+@pytest.mark.timeout(90)
+def test_each_rank_draws_its_own_numpy_random_numbers():
+    # (a forked rank starts from the fork server's NumPy state: reseeded, as a fresh
+    # process would be, else every rank of every call drew the same numbers)
+    first, second = run_multi_process(_numpy_draw, 2), run_multi_process(_numpy_draw, 2)
+    assert len({*first, *second}) == 4
+
+
 @pytest.mark.timeout(90)
 def test_exceptions_come_back_with_rank_and_traceback(tmp_path):
     with pytest.raises(MultiProcessError, match=r"^run_multi_process: rank 1 of 3 raised "

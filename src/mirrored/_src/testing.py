@@ -1,18 +1,22 @@
 """`run_multi_process`: run a function in several fresh worker processes wired like
 torchrun, for tests of multi-worker code on one machine.
 
-Each rank is a child process in its own process group with torchrun's variables set,
-forked from one server process that imported torch and this library once
-(multiprocessing's "forkserver", where the platform has it; "spawn" elsewhere or when
-asked): a rank starts in milliseconds instead of importing torch for seconds. It
-gets the caller's environment as it is at the call, as a "spawn" child would. It
-sends back one pickled report (its return value, or its exception's formatted traceback)
+Each rank is a child process in its own process group with torchrun's variables set.
+On Linux it is forked from one server process that imported torch and this library
+once (multiprocessing's "forkserver", started at the first call and kept for the
+caller's life): a rank starts in milliseconds instead of importing torch for seconds.
+Elsewhere, or with ``start_method="spawn"``, each rank is a fresh interpreter. Either
+way a rank gets the caller's environment as it is at the call. A forked rank differs
+from a fresh one in what was fixed when the server started: what torch read from the
+environment at its import (``TORCH_LOGS``, ``TORCHDYNAMO_*``: pass them with "spawn"),
+the string-hash seed (the same on every rank), the server's stdout/stderr and limits;
+NumPy's global random state is reseeded in each rank, as Python's is.
+A rank sends back one pickled report (its return value, or its exception's traceback)
 through its own pipe, runs what a normal exit runs (``atexit`` functions, weakref
-finalizers), then leaves with ``os._exit`` (no interpreter teardown to hang in).
-The parent waits on every pipe and process sentinel until all ranks reported, one failed
-(then the others get a short grace period), or the deadline passed; on every path it then
-kills each child's process group and the child, and joins them, so nothing outlives a call.
-A child also exits by itself when its parent disappears.
+finalizers), then leaves with ``os._exit`` (no interpreter teardown to hang in). The
+parent waits on every pipe and process sentinel until all ranks reported, one failed
+(the others then get a short grace period), or the deadline passed; on every path it
+kills each rank's process group and the rank, so no rank outlives a call, nor the caller.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import atexit
 import contextlib
 import math
 import multiprocessing
-import multiprocessing.forkserver
 import os
 import pickle
 import signal
@@ -82,9 +85,11 @@ START_METHODS = ("forkserver", "spawn")
 
 def process_context(start_method: str = "forkserver") -> Any:
     """The multiprocessing context `run_multi_process` starts ranks with: "forkserver"
-    (the fork server preloads torch, ``torch._dynamo`` and this library, besides
-    what the program asked it to; it falls back to "spawn" where the platform has no
-    fork server), or "spawn".
+    (on Linux; "spawn" elsewhere) or "spawn". The fork server is the process's one
+    (multiprocessing keeps a single server): started here, it preloads torch,
+    ``torch._dynamo`` and this library besides what the program asked it to; started
+    earlier by the program, it keeps what it loaded then. Its children start with the
+    server's environment (`run_multi_process` hands each rank the caller's).
 
     Example:
         >>> process_context("spawn").get_start_method()
@@ -92,11 +97,11 @@ def process_context(start_method: str = "forkserver") -> Any:
     """
     if start_method not in START_METHODS:
         raise ValueError(f"start_method must be one of {START_METHODS}; got {start_method!r}")
-    if start_method == "forkserver":
-        if "forkserver" not in multiprocessing.get_all_start_methods():
+    if start_method == "forkserver":  # (not on macOS: forking there is unsafe)
+        if not sys.platform.startswith("linux"):
             return multiprocessing.get_context("spawn")
         ctx = multiprocessing.get_context("forkserver")
-        server = getattr(multiprocessing.forkserver, "_forkserver", None)
+        server = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
         asked = list(getattr(server, "_preload_modules", []))  # the program's own
         # (once the server runs this has no effect: it keeps what it imported)
         ctx.set_forkserver_preload(list(dict.fromkeys([*asked, *_PRELOAD])))
@@ -134,6 +139,8 @@ def _child_main(rank: int, env: dict[str, str], payload: bytes, conn: Connection
     if os.environ != env:
         os.environ.clear()
         os.environ.update(env)
+    if (numpy_random := sys.modules.get("numpy.random")) is not None:  # (the server's)
+        numpy_random.seed()  # each rank its own global state, as a fresh process has
     torch.set_num_threads(num_threads)
     report: tuple[str, Any, str]
     try:
@@ -213,12 +220,13 @@ def run_multi_process(fn: Callable[..., Any], world_size: int, *, args: Sequence
         grace: once a rank failed, how long the others may still report (seconds)
             before they are killed; a test of how survivors react to a death needs
             more than the default 3 s.
-        start_method: "forkserver" (the default: ranks are forked from one server
-            process that imported torch, ``torch._dynamo`` and this library once,
-            started at the first call and kept for the caller's life; "spawn" where
-            the platform has no fork server) or "spawn" (each rank a fresh
-            interpreter that imports everything itself, seconds per rank). Either
-            way a rank gets the caller's environment as it is at the call.
+        start_method: "forkserver" (the default: on Linux ranks are forked from one
+            server process that imported torch, ``torch._dynamo`` and this library
+            once, started at the first call and kept for the caller's life; see
+            `process_context`; "spawn" elsewhere) or "spawn" (each rank a fresh
+            interpreter that imports everything itself, seconds per rank: for what
+            torch reads from the environment at import). Either way a rank gets the
+            caller's environment as it is at the call.
 
     Returns:
         Each rank's return value (pickled back), in rank order.
@@ -336,14 +344,15 @@ def _read(reader: Connection) -> tuple[str, Any, str] | None:
 
 
 def _stop(procs: Sequence[multiprocessing.process.BaseProcess]) -> None:
-    # Signal every process group before reaping anyone: an unreaped child keeps its pid
-    # (and so its group id) from being reused.
+    # Every process group first: its id is not reused while it has a member (a forked
+    # rank is reaped by the fork server at once: only a running rank is killed).
     for proc in procs:
         if proc.pid is not None and hasattr(os, "killpg"):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
     for proc in procs:
-        proc.kill()
+        if proc.exitcode is None:
+            proc.kill()
     for proc in procs:
         proc.join(_JOIN_SECONDS)
 

@@ -238,8 +238,8 @@ class CrossWorkerCalls:
 
     def _done(self, seq: int) -> None:
         self._ledger.completed = seq
-        if self._job is not None:
-            self._job.note_progress(seq, seq)
+        if self._job is not None:  # (started: the latest, launched buckets may follow seq)
+            self._job.note_progress(self._ledger.seq, seq)
 
     def _launch(self, wire: Wire, data: Sequence[torch.Tensor],
                 fill: Callable[[int], None] | None = None) -> list[Any]:

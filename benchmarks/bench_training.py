@@ -257,7 +257,10 @@ def bench_one_replica(batches: list[int], repeats: int, inner: int) -> None:
 def bench_two_replicas(batches: list[int], repeats: int, inner: int) -> None:
     print("(b) 2 replicas in one process vs DDP (Gloo, 2 processes, 1 thread each), "
           "examples/s")
-    ddp = run_multi_process(ddp_worker, 2, args=(batches, repeats, inner), timeout=300)
+    # (fresh interpreters: a forked DDP rank's teardown deadlocked once, its Gloo thread
+    # waiting for the GIL that ~Reducer held while joining it)
+    ddp = run_multi_process(ddp_worker, 2, args=(batches, repeats, inner), timeout=300,
+                            start_method="spawn")
     ddp_s = [max(rank[k] for rank in ddp) for k in range(len(batches))]
     for batch, ddp_step in zip(batches, ddp_s, strict=True):
         two, two_1t = Mirrored(2, batch), Mirrored(2, batch, one_thread=True)

@@ -210,7 +210,7 @@ LAYERS = [
     {"runtime"},
     {"context"},
     {"collectives", "loss", "data", "training"},
-    {"strategies", "testing", "elastic"},
+    {"strategies", "testing", "processes", "elastic"},
 ]
 
 

@@ -62,6 +62,15 @@ def _hang_on_rank_1(pid_dir: str) -> int:
     return _rank()
 
 
+def _hold_the_gil_on_rank_1(pid_dir: str) -> int:
+    _note_pid(pid_dir)
+    if _rank() == 1:  # a C call that keeps the GIL: the rank's watcher thread never runs
+        import ctypes
+
+        ctypes.PyDLL(None).sleep(300)
+    return _rank()
+
+
 def _die_without_reporting(pid_dir: str) -> None:
     _note_pid(pid_dir)
     if _rank() == 0:  # fail after rank 1, so that rank 1 is the first to fail
@@ -215,6 +224,34 @@ def test_gloo_all_reduce_across_two_processes():
     for value, threads in results:
         np.testing.assert_array_equal(value.numpy(), inputs.sum(axis=0))
         assert threads == 2
+
+
+@pytest.mark.timeout(90)
+def test_a_forked_rank_that_holds_the_gil_ends_when_the_parent_is_killed(tmp_path):
+    # (the kernel's parent-death signal: a forked rank's parent, the fork server, ends
+    # with the caller, no rank keeping it alive)
+    start_method = "forkserver"
+    import mirrored
+
+    paths = [str(Path(__file__).parent), str(Path(mirrored.__file__).parents[1])]
+    script = (f"import sys; sys.path[:0] = {paths!r}\n"
+              "from mirrored.testing import run_multi_process\n"
+              "from test_testing import _hold_the_gil_on_rank_1\n"
+              f"run_multi_process(_hold_the_gil_on_rank_1, 2, args=({str(tmp_path)!r},), "
+              f"timeout=80, start_method={start_method!r})\n")
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        end = time.monotonic() + 60
+        while len(_pids(tmp_path)) < 2 and time.monotonic() < end and parent.poll() is None:
+            time.sleep(0.1)
+        pids = _pids(tmp_path)
+        assert sorted(pids) == ["0", "1"]
+        time.sleep(0.5)  # rank 1 inside its C call
+        assert _alive(pids["1"])
+    finally:
+        parent.kill()
+        parent.wait()
+    _assert_all_dead(pids)
 
 
 @pytest.mark.timeout(90)

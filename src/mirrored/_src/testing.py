@@ -30,7 +30,6 @@ import pickle
 import signal
 import socket
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -40,8 +39,10 @@ from typing import Any
 import torch
 
 from .errors import MirroredError
+from .processes import START_METHODS, exit_with_caller, process_context
 
-__all__ = ["MultiProcessError", "find_free_port", "process_context", "run_multi_process"]
+__all__ = ["START_METHODS", "MultiProcessError", "find_free_port", "process_context",
+           "run_multi_process"]
 
 _FAILURE_GRACE_SECONDS = 3.0  # how long the other ranks may still report after a failure
 _JOIN_SECONDS = 10.0  # a SIGKILLed child is gone well within this
@@ -77,51 +78,6 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
-# What the fork server imports once, before it forks any rank (torch._dynamo: torch
-# imports it at an optimizer's first step, for seconds).
-_PRELOAD = ["torch", "torch._dynamo", "mirrored"]
-START_METHODS = ("forkserver", "spawn")
-
-
-def process_context(start_method: str = "forkserver") -> Any:
-    """The multiprocessing context `run_multi_process` starts ranks with: "forkserver"
-    (on Linux; "spawn" elsewhere) or "spawn". The fork server is the process's one
-    (multiprocessing keeps a single server): started here, it preloads torch,
-    ``torch._dynamo`` and this library besides what the program asked it to; started
-    earlier by the program, it keeps what it loaded then. Its children start with the
-    server's environment (`run_multi_process` hands each rank the caller's).
-
-    Example:
-        >>> process_context("spawn").get_start_method()
-        'spawn'
-    """
-    if start_method not in START_METHODS:
-        raise ValueError(f"start_method must be one of {START_METHODS}; got {start_method!r}")
-    if start_method == "forkserver":  # (not on macOS: forking there is unsafe)
-        if not sys.platform.startswith("linux"):
-            return multiprocessing.get_context("spawn")
-        ctx = multiprocessing.get_context("forkserver")
-        server = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
-        asked = list(getattr(server, "_preload_modules", []))  # the program's own
-        # (once the server runs this has no effect: it keeps what it imported)
-        ctx.set_forkserver_preload(list(dict.fromkeys([*asked, *_PRELOAD])))
-        return ctx
-    return multiprocessing.get_context(start_method)
-
-
-def _exit_with_parent(alive: Connection) -> None:
-    """Runs in a child: when the caller is gone, end this rank and what it started.
-    ``alive``: the read end of a pipe whose only write end the caller holds, so it
-    reads EOF once the caller exits or is killed (a forked rank's parent is the fork
-    server, which outlives the caller as long as its children do)."""
-    with contextlib.suppress(EOFError, OSError):
-        while True:
-            alive.recv_bytes()
-    if hasattr(os, "killpg") and os.getpgid(0) == os.getpid():
-        os.killpg(0, signal.SIGKILL)  # this rank's own group, itself included
-    os._exit(70)
-
-
 def _summary(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     line = f"{type(error).__qualname__}: {text[0]}" if text else type(error).__qualname__
@@ -134,8 +90,7 @@ def _child_main(rank: int, env: dict[str, str], payload: bytes, conn: Connection
     forked child has the fork server's)."""
     with contextlib.suppress(OSError, AttributeError):  # AttributeError: not POSIX
         os.setpgid(0, 0)  # own group: the parent can kill what this rank starts
-    threading.Thread(target=_exit_with_parent, args=(alive,), daemon=True,
-                     name="mirrored-exit-with-parent").start()
+    exit_with_caller(alive)
     if os.environ != env:
         os.environ.clear()
         os.environ.update(env)

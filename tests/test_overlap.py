@@ -6,6 +6,7 @@ GradScaler and the clip trap; and the same as one device in float64."""
 from __future__ import annotations
 
 import gc
+import time
 import weakref
 from collections.abc import Iterator
 
@@ -243,13 +244,7 @@ def test_overlap_is_bitwise_the_same_across_workers(local: int) -> None:
     assert_bitwise(results[0][1], results[1][1])
 
 
-def _worker_mismatch() -> str:
-    overlap_module.DEFAULT_BUCKET_BYTES = 256
-    strategy = mirrored.MultiWorkerMirroredStrategy(
-        # (12 s: worker 0 leaves after its 5 s wait for worker 1's call; the process
-        # group's end then waits out the bucket worker 1 never joined, up to this bound)
-        communication_options=CommunicationOptions(timeout_seconds=12), devices=["CPU:0"],
-        failure_timeout_seconds=4.0)  # worker 1 names worker 0 gone in 4 s, not 10
+def _mismatched_steps(strategy: mirrored.MultiWorkerMirroredStrategy) -> str:
     worker = strategy.cluster_resolver.worker_index
     model = strategy.mirror(Net(torch.float32))
     opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1), overlap=True)
@@ -270,20 +265,37 @@ def _worker_mismatch() -> str:
         return "no error"
     except Exception as error:
         return f"{type(error).__name__}: {error}"
-    finally:
-        strategy.close()
+
+
+def _worker_mismatch() -> tuple[str, float]:
+    overlap_module.DEFAULT_BUCKET_BYTES = 256
+    strategy = mirrored.MultiWorkerMirroredStrategy(
+        # (worker 0 leaves after its 5 s wait for worker 1's call; the process group's
+        # timeout is this + the failure timeout + 5 s: 21 s)
+        communication_options=CommunicationOptions(timeout_seconds=12), devices=["CPU:0"],
+        failure_timeout_seconds=4.0)  # worker 1 names worker 0 gone in 4 s, not 10
+    outcome = _mismatched_steps(strategy)
+    strategy.close()
+    start = time.monotonic()
+    del strategy  # the last reference to the process group
+    gc.collect()
+    return outcome, time.monotonic() - start
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_a_call_that_meets_a_launched_bucket_is_a_mismatch_and_its_data_unused() -> None:
-    results = mirrored.testing.run_multi_process(_worker_mismatch, 2, timeout=150)
+    results, freed = zip(*mirrored.testing.run_multi_process(_worker_mismatch, 2, timeout=150),
+                         strict=True)
     assert results[0].startswith("CollectiveMismatchError"), results[0]
     assert "gradient bucket 1 of" in results[0] and "(asynchronous)" in results[0]
     # Worker 0 left inside collective #11 (its first unfinished one; it had launched
     # the next bucket too): worker 1, waiting there, names it at once, not at its timeout.
     assert results[1].startswith("WorkerFailureError: worker 0 left the job (worker 0 "
                                  "inside collective #11) while worker 1 was in "), results[1]
+    # The failed job's process group is kept: freeing the strategy does not wait out the
+    # bucket worker 1 never joined (the group's timeout, 21 s; freed, it waited 23 s).
+    assert max(freed) < 10.0, freed
 
 
 def test_a_parameter_frozen_at_build_then_thawed_trains_as_one_device_with_accumulation(

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from ..errors import StartupError
 from .monitor import PeerMonitor
+from .teardown import keep_failed_group
 
 _TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]
 _PrefixStore: Any = dist.PrefixStore  # type: ignore[attr-defined]
@@ -249,21 +250,20 @@ class Job:
         return texts
 
     def close(self) -> None:
-        """Leaves the job: tells the peers (and, when called while an exception is
-        handled, e.g. ``except KeyboardInterrupt: strategy.close()``, that it leaves on
-        it: the peers count it as gone), destroys the process group, drops the store
-        (worker 0's listening socket closes with it); idempotent."""
+        """Leaves the job: tells the peers (called while an exception is handled, e.g.
+        ``except KeyboardInterrupt: strategy.close()``, that it leaves on it: gone, to
+        them), ends the process group (kept, if the job failed), drops the store."""
         if self._closed:
             return
         self._closed = True
         self._departure()  # tells the peers, on the exception being handled if any
         if dist.is_initialized():
+            if self._monitor.failed:  # (its collectives may wait for absent peers)
+                keep_failed_group(dist.distributed_c10d._get_default_group())
             dist.destroy_process_group()
         self._store = None
-        _log.info("worker %d of %d left the job at %s", self.rank, self.world_size,
-                  self.spec.where)
-        # Exceptions of failed collectives (kept in reference cycles through their
-        # tracebacks) may still hold the process group and the store: free them now.
+        _log.info("worker %d of %d left the job at %s", self.rank, self.world_size, self.spec.where)
+        # (failed collectives' exceptions, in cycles, may hold the group and the store)
         gc.collect()
 
     def __repr__(self) -> str:

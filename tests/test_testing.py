@@ -226,59 +226,49 @@ def test_gloo_all_reduce_across_two_processes():
         assert threads == 2
 
 
-@pytest.mark.timeout(90)
-def test_a_forked_rank_that_holds_the_gil_ends_when_the_parent_is_killed(tmp_path):
-    # (the kernel's parent-death signal: a forked rank's parent, the fork server, ends
-    # with the caller, no rank keeping it alive)
-    start_method = "forkserver"
+def _kill_the_caller(tmp_path: Path, fn: str, start_method: str, names: list[str]
+                     ) -> dict[str, int]:
+    """Runs ``fn`` on 2 ranks from a caller process, waits until ``names`` noted their
+    pids, SIGKILLs the caller (no chance to clean up: the ranks must notice by
+    themselves) and returns the pids."""
     import mirrored
 
     paths = [str(Path(__file__).parent), str(Path(mirrored.__file__).parents[1])]
     script = (f"import sys; sys.path[:0] = {paths!r}\n"
               "from mirrored.testing import run_multi_process\n"
-              "from test_testing import _hold_the_gil_on_rank_1\n"
-              f"run_multi_process(_hold_the_gil_on_rank_1, 2, args=({str(tmp_path)!r},), "
-              f"timeout=80, start_method={start_method!r})\n")
+              f"from test_testing import {fn}\n"
+              f"run_multi_process({fn}, 2, args=({str(tmp_path)!r},), timeout=80, "
+              f"start_method={start_method!r})\n")
     parent = subprocess.Popen([sys.executable, "-c", script])
     try:
         end = time.monotonic() + 60
-        while len(_pids(tmp_path)) < 2 and time.monotonic() < end and parent.poll() is None:
+        while (len(_pids(tmp_path)) < len(names) and time.monotonic() < end
+               and parent.poll() is None):
             time.sleep(0.1)
         pids = _pids(tmp_path)
-        assert sorted(pids) == ["0", "1"]
-        time.sleep(0.5)  # rank 1 inside its C call
-        assert _alive(pids["1"])
+        assert sorted(pids) == names
+        time.sleep(0.5)  # (rank 1 inside its last call)
+        assert all(_alive(pids[name]) for name in names if name != "0")
     finally:
         parent.kill()
         parent.wait()
-    _assert_all_dead(pids)
+    return pids
+
+
+@pytest.mark.timeout(90)
+def test_a_forked_rank_that_holds_the_gil_ends_when_the_parent_is_killed(tmp_path):
+    # (the kernel's parent-death signal: a forked rank's parent, the fork server, ends
+    # with the caller, no rank keeping it alive)
+    _assert_all_dead(_kill_the_caller(tmp_path, "_hold_the_gil_on_rank_1", "forkserver",
+                                      ["0", "1"]))
 
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
 def test_ranks_end_with_their_process_groups_when_the_parent_is_killed(tmp_path, start_method):
-    import mirrored
-
-    # (a forked rank's parent is the fork server, which its ranks keep alive: the ranks
-    # watch a pipe from the caller instead)
-    paths = [str(Path(__file__).parent), str(Path(mirrored.__file__).parents[1])]
-    script = (f"import sys; sys.path[:0] = {paths!r}\n"
-              "from mirrored.testing import run_multi_process\n"
-              "from test_testing import _hang_on_rank_1\n"
-              f"run_multi_process(_hang_on_rank_1, 2, args=({str(tmp_path)!r},), timeout=80, "
-              f"start_method={start_method!r})\n")
-    parent = subprocess.Popen([sys.executable, "-c", script])
-    try:
-        end = time.monotonic() + 60
-        while len(_pids(tmp_path)) < 3 and time.monotonic() < end and parent.poll() is None:
-            time.sleep(0.1)
-        pids = _pids(tmp_path)
-        assert sorted(pids) == ["0", "1", "1-grandchild"]
-        assert _alive(pids["1"]) and _alive(pids["1-grandchild"])
-    finally:
-        parent.kill()  # no chance to clean up: the ranks must notice by themselves
-        parent.wait()
-    _assert_all_dead(pids)
+    # (a forked rank's parent is the fork server: the ranks watch a pipe from the caller)
+    _assert_all_dead(_kill_the_caller(tmp_path, "_hang_on_rank_1", start_method,
+                                      ["0", "1", "1-grandchild"]))
 
 
 # --- argument checks (no processes) -------------------------------------------------

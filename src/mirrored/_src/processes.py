@@ -56,10 +56,12 @@ def exit_with_caller(alive: Connection) -> None:
     server, ends (``PR_SET_PDEATHSIG``), even while a thread of it holds the GIL for
     good (seen: a Gloo thread's teardown waiting for the GIL the main thread held,
     so the watcher never ran); the server ends with the caller once no rank holds its
-    inherited end of the server's own liveness pipe: the rank closes it. The server
-    ends a moment after the caller, so the watcher kills the group first. (A spawned
-    rank's parent is the caller: the signal would beat the watcher, and leave what
-    the rank started; it has the watcher only.)
+    inherited end of the server's own liveness pipe: the rank closes it (other
+    children of the server, started through `process_context` directly, or children
+    the caller forked, still hold it while they live). The server ends a moment after
+    the caller, so the watcher usually kills the group first; when the signal wins,
+    or the GIL is held, what the rank started survives it. (A spawned rank's parent
+    is the caller: the signal would always win; it has the watcher only.)
 
     Example:
         `run_multi_process` calls it first in every rank; called in any other process
@@ -84,8 +86,7 @@ def exit_with_caller(alive: Connection) -> None:
 def _watch(alive: Connection) -> None:
     """Runs in a child: when the caller is gone, end this rank and what it started.
     ``alive``: the read end of a pipe whose only write end the caller holds, so it
-    reads EOF once the caller exits or is killed (a forked rank's parent is the fork
-    server, which outlives the caller as long as its children do)."""
+    reads EOF once the caller exits or is killed."""
     with contextlib.suppress(EOFError, OSError):
         while True:
             alive.recv_bytes()

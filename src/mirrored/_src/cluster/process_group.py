@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ..errors import StartupError
 from .monitor import PeerMonitor
-from .teardown import keep_failed_group
+from .teardown import end_default_group, keep_default_group
 
 _TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]
 _PrefixStore: Any = dist.PrefixStore  # type: ignore[attr-defined]
@@ -232,8 +232,10 @@ class Job:
         return self._monitor.progress()
 
     def note_failure(self) -> None:
-        """Worker 0 keeps the store up at its close (see `PeerMonitor.stop`)."""
+        """Worker 0 keeps the store up at its close (see `PeerMonitor.stop`); the
+        process group is never freed (`keep_default_group`), closed or not."""
         self._monitor.failed = True
+        keep_default_group()
 
     def share(self, topic: str, text: str, wait_seconds: float) -> dict[int, str]:
         """Publishes ``text`` under ``topic`` and returns every worker's (those that
@@ -257,12 +259,10 @@ class Job:
             return
         self._closed = True
         self._departure()  # tells the peers, on the exception being handled if any
-        if dist.is_initialized():
-            if self._monitor.failed:  # (its collectives may wait for absent peers)
-                keep_failed_group(dist.distributed_c10d._get_default_group())
-            dist.destroy_process_group()
+        end_default_group(keep=self._monitor.started > self._monitor.completed)
         self._store = None
-        _log.info("worker %d of %d left the job at %s", self.rank, self.world_size, self.spec.where)
+        _log.info("worker %d of %d left the job at %s", self.rank, self.world_size,
+                  self.spec.where)
         # (failed collectives' exceptions, in cycles, may hold the group and the store)
         gc.collect()
 

@@ -10,7 +10,9 @@ SGD, in examples per second, as ratios against baselines measured in the same ru
     Target: overhead <= 5 %.
 (b) 2 replicas in this process against ``DistributedDataParallel`` on Gloo with 2
     processes on 127.0.0.1 (1 intra-op thread each), same model and global batch
-    (64 and 256). Target: >= DDP's examples/s at both sizes (aim: 1.5x). Also
+    (64 and 256). Target: >= DDP's examples/s at both sizes (aim: 1.5x). The ceiling
+    of any scheme that sums gradients for free: DDP's two processes under
+    ``no_sync`` (no communication at all), timed alternately with DDP. Also
     measured: the same 2 replicas with every replica thread limited to 1 intra-op
     thread (``torch.set_num_threads(1)`` run once in each replica thread), a
     prototype of a library-side change.
@@ -36,6 +38,7 @@ single figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import random
@@ -202,8 +205,10 @@ class Mirrored:
         self.strategy.run(self._fn, args=self.xy)
 
 
-def ddp_worker(batches: list[int], repeats: int, inner: int) -> list[float]:
-    """One DDP rank (started by run_multi_process): median seconds per step per batch."""
+def ddp_worker(batches: list[int], repeats: int, inner: int) -> list[tuple[float, float]]:
+    """One DDP rank (started by run_multi_process): median seconds per step per batch,
+    with its all-reduce and without (``no_sync``: the same two processes computing
+    alone, alternating with the synced samples)."""
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     model = nn.parallel.DistributedDataParallel(make_mlp())
@@ -222,14 +227,16 @@ def ddp_worker(batches: list[int], repeats: int, inner: int) -> list[float]:
 
         for _ in range(max(3, inner // 5)):
             step()
-        samples = []
-        for _ in range(repeats):
+        samples: dict[bool, list[float]] = {True: [], False: []}
+        for i in range(2 * repeats):
+            synced = i % 2 == 0
             dist.barrier()
             start = time.perf_counter()
-            for _ in range(inner):
-                step()
-            samples.append((time.perf_counter() - start) / inner)
-        out.append(statistics.median(samples))
+            with contextlib.nullcontext() if synced else model.no_sync():
+                for _ in range(inner):
+                    step()
+            samples[synced].append((time.perf_counter() - start) / inner)
+        out.append((statistics.median(samples[True]), statistics.median(samples[False])))
     dist.destroy_process_group()
     return out
 
@@ -261,8 +268,9 @@ def bench_two_replicas(batches: list[int], repeats: int, inner: int) -> None:
     # waiting for the GIL that ~Reducer held while joining it)
     ddp = run_multi_process(ddp_worker, 2, args=(batches, repeats, inner), timeout=300,
                             start_method="spawn")
-    ddp_s = [max(rank[k] for rank in ddp) for k in range(len(batches))]
-    for batch, ddp_step in zip(batches, ddp_s, strict=True):
+    ddp_s = [max(rank[k][0] for rank in ddp) for k in range(len(batches))]
+    alone_s = [max(rank[k][1] for rank in ddp) for k in range(len(batches))]
+    for batch, ddp_step, alone in zip(batches, ddp_s, alone_s, strict=True):
         two, two_1t = Mirrored(2, batch), Mirrored(2, batch, one_thread=True)
         t = interleaved({"plain": plain_step(batch), "two": two, "two_1t": two_1t},
                         repeats, inner)
@@ -274,6 +282,10 @@ def bench_two_replicas(batches: list[int], repeats: int, inner: int) -> None:
               f"{verdict(ratio >= 1)}), plain loop {batch / t['plain']:>8.0f} examples/s")
         print(f"             prototype, 1 intra-op thread per replica thread: "
               f"{batch / t['two_1t']:>8.0f} examples/s ({ddp_step / t['two_1t']:.2f}x DDP)")
+        # The ceiling of any data-parallel scheme on these cores: the same two
+        # processes with no communication at all (DDP under no_sync).
+        print(f"             DDP without its all-reduce (no_sync): {batch / alone:>8.0f} "
+              f"examples/s ({ddp_step / alone:.2f}x DDP: the most a free gradient sum gains)")
 
 
 def bench_four_replicas(batches: list[int], repeats: int, inner: int) -> None:

@@ -244,6 +244,76 @@ def test_a_peer_that_leaves_mid_collective_is_named_promptly():
     assert report["seconds"] < 1.0 + 4.0, report
 
 
+def _leaves_inside_a_data_step(kind: str) -> dict:
+    """Worker 1 fails after a call's header round, before its data step: a gather's
+    data (whose sizes the header gave), or the data of a call whose sizes were not
+    agreed ahead (header first, then data). It closes its strategy in its handler and
+    stays up (its process's exit would break the link anyway)."""
+    from mirrored._src.comm import cross_call
+
+    strategy = _strategy(failure_timeout_seconds=10.0)
+    rank = strategy.cluster_resolver.worker_index
+    _step_value(strategy, 0)
+    injected = []
+    if rank == 1:
+        if kind == "gather":
+            def refuse(*args, **kwargs):
+                injected.append(True)
+                raise RuntimeError("injected: worker 1 fails before the gather's data step")
+            torch.distributed.all_gather = refuse
+        else:
+            gather_rows, launch = (cross_call.CrossWorkerCalls._gather_rows,
+                                   cross_call.CrossWorkerCalls._launch)
+            header_for = [-1]
+
+            def header(self, *args, **kwargs):
+                header_for[0] = self._ledger.seq
+                return gather_rows(self, *args, **kwargs)
+
+            def data(self, *args, **kwargs):
+                if header_for[0] == self._ledger.seq:  # after this call's header round
+                    injected.append(True)
+                    raise RuntimeError("injected: worker 1 fails before the data step")
+                return launch(self, *args, **kwargs)
+            cross_call.CrossWorkerCalls._gather_rows = header
+            cross_call.CrossWorkerCalls._launch = data
+
+    def fn():
+        ctx = mirrored.get_replica_context()
+        if kind == "gather":
+            return ctx.all_gather(torch.ones(2, 3), axis=0)
+        return ctx.all_reduce("SUM", torch.ones(5, 7))  # sizes never seen: header first
+
+    start = time.monotonic()
+    try:
+        strategy.run(fn)
+    except Exception as error:  # (worker 1: the injected failure; worker 0: the departure)
+        out = {"error": str(error), "type": type(error).__name__, "injected": bool(injected),
+               "workers": list(getattr(error, "workers", ())),
+               "seconds": time.monotonic() - start}
+        strategy.close()
+        if rank == 1:
+            time.sleep(6.0)  # alive: worker 0 learns of the departure, not of a broken link
+        return out
+    strategy.close()
+    return {"error": None}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("kind", ["gather", "header first"])
+def test_a_peer_that_fails_between_a_calls_header_and_its_data_is_named_inside_it(kind):
+    # (until 2026-12-03 the call counted as completed at its header: worker 0, waiting
+    # in the data step, waited for its whole timeout, 20 s here)
+    failing, waiting = reversed(mirrored.testing.run_multi_process(
+        _leaves_inside_a_data_step, 2, args=(kind,), timeout=80))
+    assert failing["type"] == "RuntimeError" and failing["injected"], failing
+    assert waiting["type"] == "WorkerFailureError", waiting
+    assert waiting["workers"] == [1], waiting
+    assert "worker 1 left the job (worker 1 on RuntimeError) while worker 0 was in " in \
+        waiting["error"], waiting
+    assert waiting["seconds"] < 5.0, waiting  # announced: far below the 20 s timeout
+
+
 def _per_call_timeout_and_reduce_to() -> dict:
     strategy = _strategy()
     rank = strategy.cluster_resolver.worker_index

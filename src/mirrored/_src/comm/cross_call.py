@@ -62,6 +62,7 @@ class CrossWorkerCalls:
         self._host = wire.torch_device.type == "cpu"  # trailers written as raw bytes
         self._direct = _direct_all_reduce(group)
         self._flat_gather = True  # (see `_gather_rows`)
+        self._following: object = "gather"  # the latest gather's name (`follow`)
 
     def call(self, what: str, wire: Wire, data: list[torch.Tensor], *, flag: int = 0,
              value: int = 0, sizes: Sequence[int] = (),
@@ -123,11 +124,25 @@ class CrossWorkerCalls:
                 else:
                     self._round(self._row(ident, predicted, flag, value, sizes, miss=1),
                                 self._launch(agreed, dummy), seq, text)
+        # The header first, then the data: the call is completed only after its data
+        # step (a gather's, whose sizes the header gave: `follow`), so that a worker
+        # leaving there is named as inside it.
+        follows = wire == GATHER or bool(data)
         table = self._verified(self._round(self._row(ident, predicted, flag, value, sizes), [],
-                                           seq, text), seq, text)
-        if wire != GATHER and data:  # (refilled: a miss above may have reduced them)
+                                           seq, text), seq, text, done=not follows)
+        if wire == GATHER:
+            self._following = text
+        elif data:  # (refilled: a miss above may have reduced them)
             self.watch.wait(self._launch(wire, data, fill), seq, text)
+            self._done(seq)
         return table
+
+    def follow(self, works: list[Any]) -> None:
+        """Waits for the data step of the latest call, a gather (``GATHER``: the sizes
+        came in its header table), and marks that call completed."""
+        seq, text = self._ledger.seq, self._following
+        self.watch.wait(works, seq, text)
+        self._done(seq)
 
     def launch(self, what: str, wire: Wire, data: list[torch.Tensor]) -> PendingCall:
         """Starts one checked call whose sizes are known to match the peers' (a
@@ -283,13 +298,15 @@ class CrossWorkerCalls:
         return dist.all_gather(list(rows.view(self._world, -1)), header, group=self._group,
                                async_op=True)
 
-    def _verified(self, table: list[list[int]], seq: int, text: object) -> list[list[int]]:
+    def _verified(self, table: list[list[int]], seq: int, text: object, *,
+                  done: bool = True) -> list[list[int]]:
         ledger = self._ledger
         if any(r[0] != table[0][0] for r in table):
             self.watch.mismatch(seq, text)
         if all(r[1] == table[0][1] for r in table) and table[0][1]:
             ledger.agreed = ledger.predicted
-        self._done(seq)
+        if done:
+            self._done(seq)
         return table
 
 

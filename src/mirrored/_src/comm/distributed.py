@@ -251,8 +251,7 @@ class DistributedCommunicator:
         padded = local.new_zeros(shape)
         padded.narrow(dim, 0, local.shape[dim]).copy_(local)
         parts = [torch.empty_like(padded) for _ in totals]
-        self._calls.watch.wait([dist.all_gather(parts, padded, group=self._group, async_op=True)],
-                   self._ledger.seq, "gather")
+        self._calls.follow([dist.all_gather(parts, padded, group=self._group, async_op=True)])
         whole = torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, totals, strict=True)],
                           dim=dim)
         return self._copies(whole, destinations), [s for row in table for s in row[HEAD:]]

@@ -39,6 +39,7 @@ from .check import (
     modified_message,
     slots_per_tensor,
 )
+from .host_sum import HostSum
 from .module import MirroredModule
 from .overlap import GradientBuckets, bucket_plan
 from .structure import frozen_message
@@ -119,6 +120,9 @@ class GradientReducer:
             ids = self._parts.topology.replica_ids
             self._meta = tuple(torch.cat([m, (torch.arange(n, device=m.device) == g).to(m.dtype)])
                                for m, g in zip(self._meta, ids, strict=True))
+        # In-process host replicas add each other's gradients on their own threads.
+        self._host_sum = HostSum(self._parts) if HostSum.applies(
+            self._parts, sum(p.numel() * p.element_size() for p in params[0])) else None
         self.buckets: GradientBuckets | None = None
         if overlap and n > 1 and len(bucket_plan(params[0], bucket_bytes)) > 1:
             self.buckets = GradientBuckets(params, self._parts.communicators.default,
@@ -231,7 +235,9 @@ class GradientReducer:
         sends = sync.send(g)
         live: int | None = None  # elastic: the replicas of the step
         if buckets is None:
-            reduced = self._sum(ctx, [*grads, meta, *stats, *sends])
+            leaves = [*grads, meta, *stats, *sends]
+            reduced = (self._sum(ctx, leaves) if self._host_sum is None
+                       else self._host_sum(r, leaves, len(stats) + len(sends)))
             self.seq[r] += 1
             if self._steps is not None:
                 live = self._live(ctx, r, reduced[n])

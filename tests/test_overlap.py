@@ -6,6 +6,7 @@ GradScaler and the clip trap; and the same as one device in float64."""
 from __future__ import annotations
 
 import gc
+import pathlib
 import time
 import weakref
 from collections.abc import Iterator
@@ -296,6 +297,68 @@ def test_a_call_that_meets_a_launched_bucket_is_a_mismatch_and_its_data_unused()
     # The failed job's process group is kept: freeing the strategy does not wait out the
     # bucket worker 1 never joined (the group's timeout, 21 s; freed, it waited 23 s).
     assert max(freed) < 10.0, freed
+
+
+def _worker_interrupted_with_a_bucket_in_flight(flag: str) -> tuple[str, float, int, int]:
+    # Step 1: worker 1's step raises in forward; worker 0's raises after backward, which
+    # launched gradient buckets worker 1 never joins. No collective failed (nothing is
+    # noted): the close itself finds the bucket in flight. Worker 1 stays connected
+    # (its group alive) until worker 0 has closed and freed its strategy.
+    overlap_module.DEFAULT_BUCKET_BYTES = 256
+    strategy = mirrored.MultiWorkerMirroredStrategy(
+        communication_options=CommunicationOptions(timeout_seconds=12), devices=["CPU:0"],
+        failure_timeout_seconds=4.0)
+    worker = strategy.cluster_resolver.worker_index
+    model = strategy.mirror(Net(torch.float32))
+    opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1), overlap=True)
+
+    def step(index: int) -> None:
+        loss = model(torch.ones(4, 6)).sum(1)
+        if index == 1 and worker == 1:
+            raise ValueError("worker 1's step fails in forward")
+        mirrored.compute_average_loss(loss, global_batch_size=8).backward()
+        if index == 1:
+            raise ValueError("worker 0's step fails after backward")
+        opt.step()
+        opt.zero_grad()
+
+    outcome = "no error"
+    try:
+        for index in range(2):
+            strategy.run(step, args=(index,))
+    except ValueError as error:
+        outcome = str(error)
+    ledger = strategy._parts.communicators.default._ledger  # type: ignore[attr-defined]
+    started, completed = ledger.seq, ledger.completed
+    done = pathlib.Path(flag)
+    if worker == 1:
+        deadline = time.monotonic() + 60
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    start = time.monotonic()
+    strategy.close()
+    del strategy
+    gc.collect()
+    seconds = time.monotonic() - start
+    if worker == 0:
+        done.write_text("closed")
+    return outcome, seconds, started, completed
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_strategy_closed_with_a_bucket_its_peers_never_join_is_freed_at_once(
+        tmp_path: pathlib.Path) -> None:
+    # (a Ctrl-C in backward, caught, then close(): freeing the group waited for the
+    # bucket up to the group's timeout, 21 s here, 135 s with the defaults)
+    results = mirrored.testing.run_multi_process(
+        _worker_interrupted_with_a_bucket_in_flight, 2, args=(str(tmp_path / "closed"),),
+        timeout=100)
+    (zero, zero_s, started, completed), (one, one_s, _, _) = results
+    assert zero == "worker 0's step fails after backward", zero
+    assert one == "worker 1's step fails in forward", one
+    assert started > completed, results  # worker 0 closed with a bucket in flight
+    assert zero_s < 10.0 and one_s < 10.0, results
 
 
 def test_a_parameter_frozen_at_build_then_thawed_trains_as_one_device_with_accumulation(

@@ -310,17 +310,19 @@ def _worker_interrupted_with_a_bucket_in_flight(flag: str) -> tuple[str, float, 
         failure_timeout_seconds=4.0)
     worker = strategy.cluster_resolver.worker_index
     model = strategy.mirror(Net(torch.float32))
-    opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1), overlap=True)
+    held = {"model": model, "opt": strategy.mirror_optimizer(
+        model, lambda p: torch.optim.SGD(p, lr=0.1), overlap=True)}
+    del model
 
     def step(index: int) -> None:
-        loss = model(torch.ones(4, 6)).sum(1)
+        loss = held["model"](torch.ones(4, 6)).sum(1)
         if index == 1 and worker == 1:
             raise ValueError("worker 1's step fails in forward")
         mirrored.compute_average_loss(loss, global_batch_size=8).backward()
         if index == 1:
             raise ValueError("worker 0's step fails after backward")
-        opt.step()
-        opt.zero_grad()
+        held["opt"].step()
+        held["opt"].zero_grad()
 
     outcome = "no error"
     try:
@@ -338,6 +340,7 @@ def _worker_interrupted_with_a_bucket_in_flight(flag: str) -> tuple[str, float, 
     start = time.monotonic()
     strategy.close()
     del strategy
+    held.clear()  # (the model and optimizer hold the process group too)
     gc.collect()
     seconds = time.monotonic() - start
     if worker == 0:

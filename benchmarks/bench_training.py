@@ -10,9 +10,11 @@ SGD, in examples per second, as ratios against baselines measured in the same ru
     Target: overhead <= 5 %.
 (b) 2 replicas in this process against ``DistributedDataParallel`` on Gloo with 2
     processes on 127.0.0.1 (1 intra-op thread each), same model and global batch
-    (64 and 256). Target: >= DDP's examples/s at both sizes (aim: 1.5x). The ceiling
-    of any scheme that sums gradients for free: DDP's two processes under
-    ``no_sync`` (no communication at all), timed alternately with DDP. Also
+    (64 and 256). Target: >= 1.2x DDP's examples/s at both sizes (floor 1x). DDP
+    runs before and after the replicas (the machine's speed drifts between minutes;
+    the verdict takes the lower ratio), and also under ``no_sync`` (its processes
+    with no communication at all, timed alternately with DDP): the share of DDP's
+    step that its all-reduce takes. Also
     measured: the same 2 replicas with every replica thread limited to 1 intra-op
     thread (``torch.set_num_threads(1)`` run once in each replica thread), a
     prototype of a library-side change.
@@ -263,29 +265,38 @@ def bench_one_replica(batches: list[int], repeats: int, inner: int) -> None:
 
 def bench_two_replicas(batches: list[int], repeats: int, inner: int) -> None:
     print("(b) 2 replicas in one process vs DDP (Gloo, 2 processes, 1 thread each), "
-          "examples/s")
-    # (fresh interpreters: a forked DDP rank's teardown deadlocked once, its Gloo thread
-    # waiting for the GIL that ~Reducer held while joining it)
-    ddp = run_multi_process(ddp_worker, 2, args=(batches, repeats, inner), timeout=300,
-                            start_method="spawn")
-    ddp_s = [max(rank[k][0] for rank in ddp) for k in range(len(batches))]
-    alone_s = [max(rank[k][1] for rank in ddp) for k in range(len(batches))]
-    for batch, ddp_step, alone in zip(batches, ddp_s, alone_s, strict=True):
+          "examples/s; DDP measured before and after the replicas (the machine's speed "
+          "drifts between minutes), the verdict on the lower ratio")
+
+    def ddp() -> tuple[list[float], list[float]]:
+        # (fresh interpreters: a forked DDP rank's teardown deadlocked once, its Gloo
+        # thread waiting for the GIL that ~Reducer held while joining it)
+        ranks = run_multi_process(ddp_worker, 2, args=(batches, repeats, inner),
+                                  timeout=300, start_method="spawn")
+        return ([max(rank[k][0] for rank in ranks) for k in range(len(batches))],
+                [max(rank[k][1] for rank in ranks) for k in range(len(batches))])
+
+    before, alone = ddp()
+    ours = []
+    for batch in batches:
         two, two_1t = Mirrored(2, batch), Mirrored(2, batch, one_thread=True)
-        t = interleaved({"plain": plain_step(batch), "two": two, "two_1t": two_1t},
-                        repeats, inner)
+        ours.append(interleaved({"plain": plain_step(batch), "two": two, "two_1t": two_1t},
+                                repeats, inner))
         two.strategy.close()
         two_1t.strategy.close()
-        ratio = ddp_step / t["two"]
-        print(f"  batch {batch:>3}: DDP {batch / ddp_step:>8.0f}, 2 replicas "
-              f"{batch / t['two']:>8.0f} ({ratio:.2f}x DDP; target >= 1x, aim 1.5x: "
-              f"{verdict(ratio >= 1)}), plain loop {batch / t['plain']:>8.0f} examples/s")
+    after, alone_after = ddp()
+    for k, (batch, t) in enumerate(zip(batches, ours, strict=True)):
+        ratios = (before[k] / t["two"], after[k] / t["two"])
+        print(f"  batch {batch:>3}: DDP {batch / before[k]:>8.0f} / {batch / after[k]:.0f}, "
+              f"2 replicas {batch / t['two']:>8.0f} ({ratios[0]:.2f}x / {ratios[1]:.2f}x "
+              f"DDP; target >= 1.2x, floor 1x: {verdict(min(ratios) >= 1.2)}), plain loop "
+              f"{batch / t['plain']:>8.0f} examples/s")
         print(f"             prototype, 1 intra-op thread per replica thread: "
-              f"{batch / t['two_1t']:>8.0f} examples/s ({ddp_step / t['two_1t']:.2f}x DDP)")
-        # The ceiling of any data-parallel scheme on these cores: the same two
-        # processes with no communication at all (DDP under no_sync).
-        print(f"             DDP without its all-reduce (no_sync): {batch / alone:>8.0f} "
-              f"examples/s ({ddp_step / alone:.2f}x DDP: the most a free gradient sum gains)")
+              f"{batch / t['two_1t']:>8.0f} examples/s")
+        # DDP's processes without any communication: how much of DDP's step its
+        # all-reduce takes.
+        print(f"             DDP under no_sync (no communication): {batch / alone[k]:>8.0f} "
+              f"/ {batch / alone_after[k]:.0f} examples/s")
 
 
 def bench_four_replicas(batches: list[int], repeats: int, inner: int) -> None:

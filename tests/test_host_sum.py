@@ -5,7 +5,6 @@ changes its buffers while the other still reads them, and used only where it app
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 
@@ -17,6 +16,7 @@ import mirrored
 from mirrored._src.runtime.contract import CollectiveFailure
 from mirrored._src.training import host_sum
 from mirrored._src.training.host_sum import HOST_SUM_BYTES, HOST_SUM_REPLICAS, HostSum
+from mirrored.experimental import CommunicationOptions
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,25 +39,32 @@ class Net(nn.Module):
         return self.head(out) if use_head else out
 
 
-def train(strategy: mirrored.MirroredStrategy, steps: int = 6,
+def train(strategy: mirrored.MirroredStrategy, steps: int = 6, *, per_run: int = 1,
+          check: str = "cheap", global_batch_size: int | None = None,
           after_step: Callable[[nn.Module], None] | None = None
           ) -> tuple[list[dict[str, torch.Tensor]], mirrored.MirroredOptimizer]:
+    """``steps`` optimizer steps, ``per_run`` of them in each ``strategy.run`` (with a
+    given ``global_batch_size``, no other collective between them)."""
+    n = strategy.num_replicas_in_sync
     model = strategy.mirror(Net())
     opt = strategy.mirror_optimizer(
-        model, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+        model, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), check=check)
     g = torch.Generator().manual_seed(1)
-    data = [[torch.randn(4 + r, 6, generator=g) for r in range(2)] for _ in range(steps)]
+    data = [[torch.randn(4 + r, 6, generator=g) for r in range(n)] for _ in range(steps)]
 
-    def step(index: int, x: torch.Tensor) -> None:
-        loss = model(x, use_head=index % 3 != 1).pow(2).sum(1)
-        mirrored.compute_average_loss(loss).backward()
-        opt.step()
-        if after_step is not None:
-            after_step(model.replicas[mirrored.get_replica_context().replica_id_in_sync_group])
-        opt.zero_grad()
+    def step(first: int, *xs: torch.Tensor) -> None:
+        for index, x in enumerate(xs, first):
+            loss = model(x, use_head=index % 3 != 1).pow(2).sum(1)
+            mirrored.compute_average_loss(loss, global_batch_size=global_batch_size).backward()
+            opt.step()
+            if after_step is not None:
+                after_step(model.replicas[
+                    mirrored.get_replica_context().replica_id_in_sync_group])
+            opt.zero_grad()
 
-    for index, xs in enumerate(data):
-        strategy.run(step, args=(index, mirrored.PerReplica(xs)))
+    for first in range(0, steps, per_run):
+        strategy.run(step, args=(first, *(mirrored.PerReplica(xs)
+                                          for xs in data[first:first + per_run])))
     states = [{k: v.clone() for k, v in m.state_dict().items()} for m in model.replicas]
     return states, opt
 
@@ -68,53 +75,125 @@ def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> No
         assert torch.equal(a[k], b[k]), k
 
 
+def packed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mirrored optimizers built from now on take the packed path."""
+    monkeypatch.setattr(HostSum, "applies", staticmethod(lambda parts, nbytes: False))
+
+
+def strategy_of(replicas: int, concurrent: bool) -> mirrored.MirroredStrategy:
+    # With a collective timeout every replica has a thread and none runs in a baton:
+    # the replicas add at the same time.
+    options = CommunicationOptions(timeout_seconds=60) if concurrent else None
+    return mirrored.MirroredStrategy([f"CPU:{i}" for i in range(replicas)],
+                                     communication_options=options)
+
+
+@pytest.mark.parametrize("concurrent", [False, True])
+@pytest.mark.parametrize(("replicas", "per_run", "check", "global_batch_size"), [
+    (2, 1, "cheap", None), (2, 6, "full", 24), (3, 1, "cheap", None), (3, 6, "full", 36)])
 def test_the_host_sum_trains_bitwise_as_the_packed_all_reduce(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+        monkeypatch: pytest.MonkeyPatch, replicas: int, per_run: int, check: str,
+        global_batch_size: int | None, concurrent: bool) -> None:
+    # Several steps in one run, with nothing but the step's own meeting between them:
+    # the replica that adds first goes on into the next step (in a baton run, until
+    # its next collective) while the others still read what it handed over.
+    strategy = strategy_of(replicas, concurrent)
     try:
-        here, opt = train(strategy)
+        here, opt = train(strategy, per_run=per_run, check=check,
+                          global_batch_size=global_batch_size)
         assert opt._reducer._host_sum is not None  # (the default takes the new path)
-        monkeypatch.setattr(HostSum, "applies", staticmethod(lambda parts, nbytes: False))
-        packed, opt = train(strategy)
+        packed(monkeypatch)
+        reference, opt = train(strategy, per_run=per_run, check=check,
+                               global_batch_size=global_batch_size)
         assert opt._reducer._host_sum is None
     finally:
         strategy.close()
-    for replica in range(2):
-        assert_bitwise(here[replica], packed[replica])
-    assert_bitwise(here[0], here[1])
+    for replica in range(replicas):
+        assert_bitwise(here[replica], reference[replica])
+        assert_bitwise(here[0], here[replica])
     assert not torch.equal(here[0]["body.1.running_mean"], torch.zeros(16))
 
 
+@pytest.mark.parametrize("concurrent", [False, True])
 def test_a_replica_changing_its_buffers_right_after_its_sum_leaves_the_others_sums_alone(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # Replica 1 reads the others' tensors late (held up right before its additions),
-    # while replica 0 has already copied its averaged statistics into its BatchNorm
-    # buffers and changed its other buffer in place: replica 1 must still add what
-    # replica 0 handed over.
+        monkeypatch: pytest.MonkeyPatch, concurrent: bool) -> None:
+    # Replica 1 adds late (held up right before its additions) while replica 0 has
+    # already copied its averaged statistics into its BatchNorm buffers and changed
+    # its other buffer in place: replica 1 must still add what replica 0 handed over.
     add = torch._foreach_add
-    held = threading.Event()
 
-    def late_add(*args: object) -> object:
+    def late_add(*args: object, **kwargs: object) -> object:
         if mirrored.get_replica_context().replica_id_in_sync_group == 1:
-            held.wait(0.2)  # (replica 0 is done with its step by then)
-        return add(*args)
+            time.sleep(0.2)
+        return add(*args, **kwargs)
 
     def after_step(module: nn.Module) -> None:
         module.seen.mul_(3.0)  # (the buffer sent at the next step; changed in place)
 
-    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    strategy = strategy_of(2, concurrent)
     try:
-        expected, _ = train(strategy, after_step=after_step)
         monkeypatch.setattr(host_sum.torch, "_foreach_add", late_add)
         start = time.monotonic()
         late, opt = train(strategy, after_step=after_step)
         assert time.monotonic() - start >= 6 * 0.2  # (held up at every step)
         assert opt._reducer._host_sum is not None
+        monkeypatch.undo()
+        packed(monkeypatch)
+        reference, _ = train(strategy, after_step=after_step)
     finally:
         strategy.close()
-    assert_bitwise(late[0], late[1])
     for replica in range(2):
-        assert_bitwise(late[replica], expected[replica])
+        assert_bitwise(late[replica], reference[replica])
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_gradients_with_a_graph_take_the_differentiable_packed_path(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    call = HostSum.__call__
+    monkeypatch.setattr(HostSum, "__call__", lambda self, *a: calls.append(1) or call(self, *a))
+    strategy = strategy_of(2, False)
+    try:
+        model = strategy.mirror(nn.Linear(3, 1))
+        opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+
+        def step(x: torch.Tensor, graph: bool) -> torch.Tensor:
+            loss = mirrored.compute_average_loss(model(x).pow(2).sum(1), global_batch_size=4)
+            loss.backward(create_graph=graph)
+            opt.step()
+            grad = model.weight.grad
+            assert grad is not None
+            kind = type(grad.grad_fn).__name__ if grad.grad_fn is not None else "none"
+            opt.zero_grad()
+            return torch.tensor(float(kind.startswith("_AllReduce")))
+
+        x = mirrored.PerReplica([torch.ones(2, 3), torch.ones(2, 3)])
+        plain = strategy.run(step, args=(x, False))
+        assert calls and not any(v.item() for v in plain.values)
+        calls.clear()
+        graphs = strategy.run(step, args=(x, True))
+        assert not calls and all(v.item() for v in graphs.values)
+    finally:
+        strategy.close()
+
+
+def test_two_optimizers_met_by_different_replicas_are_a_mismatch() -> None:
+    strategy = strategy_of(2, False)
+    try:
+        models = [strategy.mirror(nn.Linear(3, 3)) for _ in range(2)]
+        opts = [strategy.mirror_optimizer(m, lambda p: torch.optim.SGD(p, lr=0.1))
+                for m in models]
+
+        def step() -> None:
+            r = mirrored.get_replica_context().replica_id_in_sync_group
+            loss = models[r](torch.ones(1, 3)).sum(1)  # (replica r: model r only)
+            mirrored.compute_average_loss(loss, global_batch_size=2).backward()
+            opts[r].step()
+
+        with pytest.raises(mirrored.CollectiveMismatchError):
+            strategy.run(step)
+    finally:
+        strategy.close()
 
 
 def test_replicas_handing_over_different_tensors_fail_on_every_replica() -> None:
@@ -125,6 +204,8 @@ def test_replicas_handing_over_different_tensors_fail_on_every_replica() -> None
         host_sum._hand_over([a, [torch.zeros(3), torch.zeros(2, dtype=torch.float64)]])
     with pytest.raises(CollectiveFailure, match="in number, shape or dtype"):
         host_sum._hand_over([a, a[:1]])
+    with pytest.raises(CollectiveFailure, match="does not support dtype uint16"):
+        host_sum._hand_over([[torch.zeros(2, dtype=torch.uint16)]] * 2)
     shared = host_sum._hand_over([a, list(a)])
     assert len(shared) == 2 and shared[0] is shared[1] and shared[0][0] is a
 

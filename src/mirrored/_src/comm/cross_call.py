@@ -62,7 +62,7 @@ class CrossWorkerCalls:
         self._host = wire.torch_device.type == "cpu"  # trailers written as raw bytes
         self._direct = _direct_all_reduce(group)
         self._flat_gather = True  # (see `_gather_rows`)
-        self._following: object = "gather"  # the latest gather's name (`follow`)
+        self._following: tuple[int, object] = (0, "gather")  # the latest gather's (`follow`)
 
     def call(self, what: str, wire: Wire, data: list[torch.Tensor], *, flag: int = 0,
              value: int = 0, sizes: Sequence[int] = (),
@@ -131,7 +131,7 @@ class CrossWorkerCalls:
         table = self._verified(self._round(self._row(ident, predicted, flag, value, sizes), [],
                                            seq, text), seq, text, done=not follows)
         if wire == GATHER:
-            self._following = text
+            self._following = (seq, text)
         elif data:  # (refilled: a miss above may have reduced them)
             self.watch.wait(self._launch(wire, data, fill), seq, text)
             self._done(seq)
@@ -140,7 +140,8 @@ class CrossWorkerCalls:
     def follow(self, works: list[Any]) -> None:
         """Waits for the data step of the latest call, a gather (``GATHER``: the sizes
         came in its header table), and marks that call completed."""
-        seq, text = self._ledger.seq, self._following
+        seq, text = self._following
+        assert seq == self._ledger.seq, "a call entered between a gather's header and data"
         self.watch.wait(works, seq, text)
         self._done(seq)
 

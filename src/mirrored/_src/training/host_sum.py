@@ -6,15 +6,20 @@ every replica's gradients, adds the packs and copies the total once per further
 replica while the others wait (on the 2-core machine, 0.8 ms of a 3.9 ms step of the
 64-256-256-10 MLP on 2 replicas, all on one thread). Here the replicas only meet to
 hand each other their tensors; each then adds every replica's tensors, in replica
-order, into new tensors of its own, on its own thread and at the same time as the
-others. The additions are the ones the packed path makes, in the same order, so the
-totals are bitwise the same; no pack and no copy is made.
+order, into new tensors of its own, on its own thread: at the same time as the
+others in a step's usual run, one after another in a baton run (short steps, see
+docs/design.md). The additions are the ones the packed path makes, in the same
+order, so the totals are bitwise the same; no pack and no copy is made.
 
 A replica reads the others' tensors after the meeting, while they may already be
-past it: what a replica can change in place right after its sum (its BatchNorm
-statistics and other buffers, copied into when averaged) is handed over as copies;
-gradients are handed over as they are, since ``.grad`` then holds the new totals and
-nothing writes the old tensors.
+past it (in a baton run the last to arrive adds first and goes on to its next
+collective, maybe the next step's): what a replica changes in place after its sum
+is handed over as copies (the step's meta vector of flags, fingerprints and divisor
+slots, written again at the next step; its BatchNorm statistics and other buffers,
+copied into when averaged). Gradients are handed over as they are: ``.grad`` then
+holds the new totals, and nothing writes the old tensors. Gradients with autograd
+history (``backward(create_graph=True)``) keep the packed path, whose all-reduce is
+differentiable: added here, one replica's gradients would hold the others' graphs.
 
 Each replica makes N - 1 additions instead of one replica making N - 1 additions,
 N packs and N - 1 copies. Measured on the 2-core machine (MLPs, SGD, batch 64 and
@@ -34,6 +39,8 @@ import torch
 
 from ..collectives.parts import Parts
 from ..comm.cross_device_ops import sums_directly
+from ..reduce_op import ReduceOp
+from ..reduction import check_dtype
 from ..runtime.contract import Arrival, CallSpec, CollectiveFailure
 
 __all__ = ["HOST_SUM_BYTES", "HOST_SUM_REPLICAS", "HostSum"]
@@ -48,6 +55,12 @@ class HostSum:
     """Sums one replica's leaves with every other local replica's (see the module
     docstring); use `applies` to decide whether a strategy's replicas can.
 
+    Args:
+        parts: the strategy's parts (runtime, options).
+        key: what identifies the optimizer in the replicas' meeting (two optimizers'
+            steps met by different replicas are a `CollectiveMismatchError`).
+        site: how messages name the step's gradients.
+
     Example:
         >>> import torch, mirrored
         >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
@@ -55,10 +68,12 @@ class HostSum:
         True
     """
 
-    __slots__ = ("_parts",)
+    __slots__ = ("_key", "_parts", "_site")
 
-    def __init__(self, parts: Parts) -> None:
+    def __init__(self, parts: Parts, key: object, site: str) -> None:
         self._parts = parts
+        self._key = key
+        self._site = site
 
     @staticmethod
     def applies(parts: Parts, nbytes: int) -> bool:
@@ -73,13 +88,13 @@ class HostSum:
                 and all(d.type == "cpu" for d in topology.torch_devices)
                 and sums_directly(parts.communicators.for_options(parts.options)))
 
-    def __call__(self, index: int, leaves: list[Any], changing: int) -> list[torch.Tensor]:
+    def __call__(self, index: int, leaves: list[Any], mutable: int) -> list[torch.Tensor]:
         """Local replica ``index``'s ``leaves`` summed over every local replica, in
-        replica order, in new tensors. The last ``changing`` leaves are ones the
-        replica may change in place right after: the others read copies of them."""
-        if changing:
-            leaves = [*leaves[:-changing], *(t.clone() for t in leaves[-changing:])]
-        call = CallSpec("MirroredOptimizer.step", "the gradients", ("gradients", len(leaves)))
+        replica order, in new tensors. The last ``mutable`` leaves are ones the replica
+        changes in place after its sum: the others read copies of them."""
+        if mutable:
+            leaves = [*leaves[:-mutable], *(t.clone() for t in leaves[-mutable:])]
+        call = CallSpec("MirroredOptimizer.step", self._site, (self._key, len(leaves)))
         parts = self._parts
         every: Sequence[list[torch.Tensor]] = parts.runtime.exchange(
             index, Arrival(call, leaves, _hand_over), parts.options.timeout_seconds)
@@ -90,7 +105,8 @@ class HostSum:
 
 
 def _hand_over(payloads: Sequence[list[torch.Tensor]]) -> list[Sequence[list[torch.Tensor]]]:
-    """Every replica gets every replica's leaves, once their shapes and dtypes agree."""
+    """Every replica gets every replica's leaves, once their shapes and dtypes agree
+    and torch can add them."""
     first = payloads[0]
     for r, leaves in enumerate(payloads):
         if len(leaves) != len(first) or any(
@@ -100,5 +116,11 @@ def _hand_over(payloads: Sequence[list[torch.Tensor]]) -> list[Sequence[list[tor
                 f"MirroredOptimizer.step: replica {r}'s gradients and buffers differ in "
                 "number, shape or dtype from replica 0's (the copies of the model must "
                 "stay alike; was one changed in a single replica?)"))
+    for k, t in enumerate(first):
+        try:
+            check_dtype("MirroredOptimizer.step", ReduceOp.SUM, t.dtype,
+                        f"gradient or buffer {k}")
+        except TypeError as error:
+            raise CollectiveFailure(TypeError, str(error)) from None
     shared = tuple(payloads)
     return [shared] * len(payloads)

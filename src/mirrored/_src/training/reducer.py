@@ -121,8 +121,9 @@ class GradientReducer:
             self._meta = tuple(torch.cat([m, (torch.arange(n, device=m.device) == g).to(m.dtype)])
                                for m, g in zip(self._meta, ids, strict=True))
         # In-process host replicas add each other's gradients on their own threads.
-        self._host_sum = HostSum(self._parts) if HostSum.applies(
-            self._parts, sum(p.numel() * p.element_size() for p in params[0])) else None
+        self._host_sum = HostSum(self._parts, id(self), f"the gradients of {names[0]}, ...") \
+            if HostSum.applies(self._parts, sum(p.numel() * p.element_size()
+                                                for p in params[0])) else None
         self.buckets: GradientBuckets | None = None
         if overlap and n > 1 and len(bucket_plan(params[0], bucket_bytes)) > 1:
             self.buckets = GradientBuckets(params, self._parts.communicators.default,
@@ -236,8 +237,9 @@ class GradientReducer:
         live: int | None = None  # elastic: the replicas of the step
         if buckets is None:
             leaves = [*grads, meta, *stats, *sends]
-            reduced = (self._sum(ctx, leaves) if self._host_sum is None
-                       else self._host_sum(r, leaves, len(stats) + len(sends)))
+            reduced = (self._sum(ctx, leaves) if self._host_sum is None or (
+                torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in grads))
+                else self._host_sum(r, leaves, 1 + len(stats) + len(sends)))
             self.seq[r] += 1
             if self._steps is not None:
                 live = self._live(ctx, r, reduced[n])

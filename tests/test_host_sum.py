@@ -190,8 +190,11 @@ def test_two_optimizers_met_by_different_replicas_are_a_mismatch() -> None:
             mirrored.compute_average_loss(loss, global_batch_size=2).backward()
             opts[r].step()
 
-        with pytest.raises(mirrored.CollectiveMismatchError):
+        numbers = [o._reducer._host_sum._key for o in opts]  # type: ignore[union-attr]
+        with pytest.raises(mirrored.CollectiveMismatchError) as raised:
             strategy.run(step)
+        for number in numbers:
+            assert f"(mirrored optimizer #{number})" in str(raised.value)
     finally:
         strategy.close()
 

@@ -17,7 +17,8 @@ collective, maybe the next step's): what a replica changes in place after its su
 is handed over as copies (the step's meta vector of flags, fingerprints and divisor
 slots, written again at the next step; its BatchNorm statistics and other buffers,
 copied into when averaged). Gradients are handed over as they are: ``.grad`` then
-holds the new totals, and nothing writes the old tensors. Gradients with autograd
+holds the new totals, and the library writes only those (a program that keeps the
+old ``.grad`` tensors and writes them itself within the run is not covered). Gradients with autograd
 history (``backward(create_graph=True)``) keep the packed path, whose all-reduce is
 differentiable: added here, one replica's gradients would hold the others' graphs.
 
@@ -32,6 +33,7 @@ additions per replica outgrow the cores. Hence 2 replicas always, and up to
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,6 +47,8 @@ from ..runtime.contract import Arrival, CallSpec, CollectiveFailure
 
 __all__ = ["HOST_SUM_BYTES", "HOST_SUM_REPLICAS", "HostSum"]
 
+_numbers = itertools.count(1)  # (`HostSum`: one per mirrored optimizer of the process)
+
 # Beyond 2 replicas, the most replicas and the most bytes of parameters per replica
 # summed this way (every replica adds N - 1 times: see the module docstring).
 HOST_SUM_REPLICAS = 8
@@ -57,9 +61,9 @@ class HostSum:
 
     Args:
         parts: the strategy's parts (runtime, options).
-        key: what identifies the optimizer in the replicas' meeting (two optimizers'
-            steps met by different replicas are a `CollectiveMismatchError`).
-        site: how messages name the step's gradients.
+        site: how messages name the step's gradients; each `HostSum` adds its own
+            number, which also keys the replicas' meeting (two optimizers' steps met
+            by different replicas are a `CollectiveMismatchError` naming both).
 
     Example:
         >>> import torch, mirrored
@@ -68,12 +72,13 @@ class HostSum:
         True
     """
 
-    __slots__ = ("_key", "_parts", "_site")
+    __slots__ = ("_key", "_leaves", "_parts", "_site")
 
-    def __init__(self, parts: Parts, key: object, site: str) -> None:
+    def __init__(self, parts: Parts, site: str) -> None:
         self._parts = parts
-        self._key = key
-        self._site = site
+        self._key = next(_numbers)
+        self._site = f"{site} (mirrored optimizer #{self._key})"
+        self._leaves: dict[int, tuple[tuple[torch.dtype, tuple[int, ...]], ...]] = {}
 
     @staticmethod
     def applies(parts: Parts, nbytes: int) -> bool:
@@ -94,7 +99,12 @@ class HostSum:
         changes in place after its sum: the others read copies of them."""
         if mutable:
             leaves = [*leaves[:-mutable], *(t.clone() for t in leaves[-mutable:])]
-        call = CallSpec("MirroredOptimizer.step", self._site, (self._key, len(leaves)))
+        described = self._leaves.get(len(leaves))  # (for messages; a step's are alike)
+        if described is None:
+            described = self._leaves[len(leaves)] = tuple(
+                (t.dtype, tuple(t.shape)) for t in leaves)
+        call = CallSpec("MirroredOptimizer.step", self._site, (self._key, len(leaves)),
+                        leaves=described)
         parts = self._parts
         every: Sequence[list[torch.Tensor]] = parts.runtime.exchange(
             index, Arrival(call, leaves, _hand_over), parts.options.timeout_seconds)

@@ -121,7 +121,7 @@ class GradientReducer:
             self._meta = tuple(torch.cat([m, (torch.arange(n, device=m.device) == g).to(m.dtype)])
                                for m, g in zip(self._meta, ids, strict=True))
         # In-process host replicas add each other's gradients on their own threads.
-        self._host_sum = HostSum(self._parts, id(self), f"the gradients of {names[0]}, ...") \
+        self._host_sum = HostSum(self._parts, f"the gradients of {names[0]}, ...") \
             if HostSum.applies(self._parts, sum(p.numel() * p.element_size()
                                                 for p in params[0])) else None
         self.buckets: GradientBuckets | None = None

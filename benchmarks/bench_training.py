@@ -283,7 +283,8 @@ def bench_one_replica(batches: list[int], repeats: int, inner: int) -> None:
               f"A/A {a:+.1%} [{a_lo:+.1%}, {a_hi:+.1%}]")
 
 
-def bench_two_replicas(batches: list[int], repeats: int, inner: int) -> None:
+def bench_two_replicas(batches: list[int], repeats: int, inner: int, *,
+                       quick: bool = False) -> None:
     print("(b) 2 replicas in one process vs DDP (Gloo, 2 processes, 1 thread each), "
           "examples/s; DDP measured before and after the replicas (the machine's speed "
           "drifts between minutes), the verdict on the lower ratio")
@@ -299,12 +300,13 @@ def bench_two_replicas(batches: list[int], repeats: int, inner: int) -> None:
     before, alone = ddp()
     ours = []
     for batch in batches:
-        loops = {"two": ReadmeLoop(2, batch), "fed": Mirrored(2, batch),
-                 "two_1t": ReadmeLoop(2, batch, one_thread=True)}
+        loops = {"two": ReadmeLoop(2, batch), "fed": Mirrored(2, batch)}
+        if not quick:
+            loops["two_1t"] = ReadmeLoop(2, batch, one_thread=True)
         ours.append(interleaved({"plain": plain_step(batch), **loops}, repeats, inner))
         for loop in loops.values():
             loop.strategy.close()
-    after, alone_after = ddp()
+    after, alone_after = (before, alone) if quick else ddp()  # (--quick: DDP once)
     for k, (batch, t) in enumerate(zip(batches, ours, strict=True)):
         ratios = (before[k] / t["two"], after[k] / t["two"])
         print(f"  batch {batch:>3}: DDP {batch / before[k]:>8.0f} / {batch / after[k]:.0f}, "
@@ -314,8 +316,9 @@ def bench_two_replicas(batches: list[int], repeats: int, inner: int) -> None:
         print(f"             the same step fed one batch again and again (the example count "
               f"summed by a meeting each step): {batch / t['fed']:>8.0f} examples/s "
               f"({before[k] / t['fed']:.2f}x / {after[k] / t['fed']:.2f}x DDP)")
-        print(f"             prototype, 1 intra-op thread per replica thread: "
-              f"{batch / t['two_1t']:>8.0f} examples/s")
+        if "two_1t" in t:
+            print(f"             prototype, 1 intra-op thread per replica thread: "
+                  f"{batch / t['two_1t']:>8.0f} examples/s")
         # DDP's processes without any communication: how much of DDP's step its
         # all-reduce takes.
         print(f"             DDP under no_sync (no communication): {batch / alone[k]:>8.0f} "
@@ -405,7 +408,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
           f"{os.cpu_count()} CPUs")
     bench_one_replica(batches, repeats, inner)
-    bench_two_replicas(batches, repeats, inner)
+    bench_two_replicas(batches, repeats, inner, quick=quick)
     bench_four_replicas(batches, repeats, inner)
     bench_check(batches, repeats, inner)
     bench_overlap(batches, repeats, inner)

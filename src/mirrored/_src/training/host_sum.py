@@ -34,6 +34,7 @@ additions per replica outgrow the cores. Hence 2 replicas always, and up to
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -116,21 +117,24 @@ class HostSum:
 
 def _hand_over(payloads: Sequence[list[torch.Tensor]]) -> list[Sequence[list[torch.Tensor]]]:
     """Every replica gets every replica's leaves, once their shapes and dtypes agree
-    and torch can add them."""
+    and torch can add them (a step's Python: compared by C-level maps, each dtype
+    checked once)."""
     first = payloads[0]
+    shapes, dtypes = list(map(_SHAPE, first)), list(map(_DTYPE, first))
     for r, leaves in enumerate(payloads):
-        if len(leaves) != len(first) or any(
-                a.shape != b.shape or a.dtype != b.dtype for a, b in zip(leaves, first,
-                                                                         strict=True)):
+        if r and (list(map(_SHAPE, leaves)) != shapes or list(map(_DTYPE, leaves)) != dtypes):
             raise CollectiveFailure(RuntimeError, (
                 f"MirroredOptimizer.step: replica {r}'s gradients and buffers differ in "
                 "number, shape or dtype from replica 0's (the copies of the model must "
                 "stay alike; was one changed in a single replica?)"))
-    for k, t in enumerate(first):
+    for dtype in set(dtypes):
         try:
-            check_dtype("MirroredOptimizer.step", ReduceOp.SUM, t.dtype,
-                        f"gradient or buffer {k}")
+            check_dtype("MirroredOptimizer.step", ReduceOp.SUM, dtype,
+                        f"gradient or buffer {dtypes.index(dtype)}")
         except TypeError as error:
             raise CollectiveFailure(TypeError, str(error)) from None
     shared = tuple(payloads)
     return [shared] * len(payloads)
+
+
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")

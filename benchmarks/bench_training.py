@@ -211,8 +211,8 @@ class Mirrored:
 class ReadmeLoop(Mirrored):
     """`Mirrored`, fed as the README's loop is: each step the next batch of
     ``experimental_distribute_dataset`` over a list of global batches, default options
-    (the step's example count comes with the batch: ``compute_average_loss`` needs no
-    meeting of the replicas); a new pass when one ends."""
+    (in one process ``compute_average_loss`` still meets the other replica to count
+    the examples); a new pass when one ends."""
 
     def __init__(self, n: int, batch: int, **options: object) -> None:
         super().__init__(n, batch, **options)

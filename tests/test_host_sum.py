@@ -5,6 +5,7 @@ changes its buffers while the other still reads them, and used only where it app
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -77,7 +78,7 @@ def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> No
 
 def packed(monkeypatch: pytest.MonkeyPatch) -> None:
     """Mirrored optimizers built from now on take the packed path."""
-    monkeypatch.setattr(HostSum, "applies", staticmethod(lambda parts, nbytes: False))
+    monkeypatch.setattr(HostSum, "applies", staticmethod(lambda parts, params: False))
 
 
 def strategy_of(replicas: int, concurrent: bool) -> mirrored.MirroredStrategy:
@@ -201,16 +202,96 @@ def test_two_optimizers_met_by_different_replicas_are_a_mismatch() -> None:
 
 def test_replicas_handing_over_different_tensors_fail_on_every_replica() -> None:
     a = [torch.zeros(3), torch.zeros(2)]
-    with pytest.raises(CollectiveFailure, match="replica 1's gradients and buffers differ"):
-        host_sum._hand_over([a, [torch.zeros(3), torch.zeros(4)]])
-    with pytest.raises(CollectiveFailure, match="replica 1's gradients and buffers differ"):
-        host_sum._hand_over([a, [torch.zeros(3), torch.zeros(2, dtype=torch.float64)]])
-    with pytest.raises(CollectiveFailure, match="in number, shape or dtype"):
-        host_sum._hand_over([a, a[:1]])
-    with pytest.raises(CollectiveFailure, match="does not support dtype uint16"):
-        host_sum._hand_over([[torch.zeros(2, dtype=torch.uint16)]] * 2)
-    shared = host_sum._hand_over([a, list(a)])
+    site = "the gradients of w, ... (mirrored optimizer #7)"
+    with pytest.raises(CollectiveFailure) as raised:
+        host_sum._hand_over(site, [a, [torch.zeros(3), torch.zeros(4)]])
+    assert str(raised.value) == (
+        "MirroredOptimizer.step at the gradients of w, ... (mirrored optimizer #7): replica 1 "
+        "hands over float32[4] as gradient or buffer 1, where replica 0 has float32[2]; "
+        "expected the same on every replica (the copies of the model must stay alike: was "
+        "one copy changed alone, model.replicas[i]?)")
+    with pytest.raises(CollectiveFailure, match=r"replica 1 hands over float64\[2\] as "
+                                                r"gradient or buffer 1, where replica 0 has "
+                                                r"float32\[2\]"):
+        host_sum._hand_over(site, [a, [torch.zeros(3), torch.zeros(2, dtype=torch.float64)]])
+    with pytest.raises(CollectiveFailure, match="replica 2 hands over 1 gradients and buffers, "
+                                                "replica 0 2"):
+        host_sum._hand_over(site, [a, a, a[:1]])
+    with pytest.raises(CollectiveFailure, match=r"does not support dtype uint16 \(at the "
+                                                r"gradients of w, .*, gradient or buffer 0\)"):
+        host_sum._hand_over(site, [[torch.zeros(2, dtype=torch.uint16)]] * 2)
+    shared = host_sum._hand_over(site, [a, list(a)])
     assert len(shared) == 2 and shared[0] is shared[1] and shared[0][0] is a
+
+
+@pytest.mark.parametrize("error", [ValueError, KeyboardInterrupt])
+def test_a_replica_failing_before_its_step_releases_the_one_waiting_in_the_sum(
+        error: type[BaseException]) -> None:
+    # Replica 1 raises (or is interrupted) after backward, before opt.step; replica 0
+    # waits in the sum's meeting: it is released, run raises replica 1's error, and the
+    # strategy trains on afterwards.
+    strategy = strategy_of(2, False)
+    try:
+        model = strategy.mirror(nn.Linear(3, 1))
+        opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+        assert opt._reducer._host_sum is not None
+
+        def step(fail: bool) -> None:
+            r = mirrored.get_replica_context().replica_id_in_sync_group
+            loss = mirrored.compute_average_loss(model(torch.ones(2, 3)).sum(1),
+                                                 global_batch_size=4)
+            loss.backward()
+            if fail and r == 1:
+                time.sleep(0.1)  # (replica 0 is in the meeting by then)
+                raise error("replica 1 fails before its step")
+            opt.step()
+            opt.zero_grad()
+
+        start = time.monotonic()
+        with pytest.raises(error, match="replica 1 fails before its step"):
+            strategy.run(step, args=(True,))
+        assert time.monotonic() - start < 5.0
+        strategy.run(step, args=(False,))  # (on the failed step's gradients, accumulated)
+        assert torch.equal(model.replicas[0].weight, model.replicas[1].weight)
+    finally:
+        strategy.close()
+
+
+@pytest.mark.parametrize(("dtype", "no_grad"), [(torch.bfloat16, False), (torch.float16, False),
+                                                (torch.float32, True)])
+def test_half_precision_and_a_step_under_no_grad_sum_bitwise_as_the_packed_path(
+        monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, no_grad: bool) -> None:
+    def run_steps() -> tuple[list[torch.Tensor], mirrored.MirroredOptimizer]:
+        strategy = strategy_of(2, False)
+        try:
+            torch.manual_seed(0)
+            model = strategy.mirror(nn.Sequential(nn.Linear(6, 8), nn.Tanh(),
+                                                  nn.Linear(8, 2)).to(dtype))
+            opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+            g = torch.Generator().manual_seed(1)
+            for _ in range(4):
+                xs = mirrored.PerReplica([torch.randn(3, 6, generator=g).to(dtype)
+                                          for _ in range(2)])
+
+                def step(x: torch.Tensor) -> None:
+                    mirrored.compute_average_loss(model(x).float().pow(2).sum(1)).backward()
+                    with torch.no_grad() if no_grad else contextlib.nullcontext():
+                        opt.step()
+                    opt.zero_grad()
+
+                strategy.run(step, args=(xs,))
+            return [p.detach().clone() for r in model.replicas for p in r.parameters()], opt
+        finally:
+            strategy.close()
+
+    here, opt = run_steps()
+    assert opt._reducer._host_sum is not None
+    assert here[0].dtype == dtype
+    packed(monkeypatch)
+    reference, opt = run_steps()
+    assert opt._reducer._host_sum is None
+    for a, b in zip(here, reference, strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize(("replicas", "width", "options", "expected"), [

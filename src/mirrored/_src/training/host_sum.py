@@ -18,9 +18,10 @@ is handed over as copies (the step's meta vector of flags, fingerprints and divi
 slots, written again at the next step; its BatchNorm statistics and other buffers,
 copied into when averaged). Gradients are handed over as they are: ``.grad`` then
 holds the new totals, and the library writes only those (a program that keeps the
-old ``.grad`` tensors and writes them itself within the run is not covered). Gradients with autograd
-history (``backward(create_graph=True)``) keep the packed path, whose all-reduce is
-differentiable: added here, one replica's gradients would hold the others' graphs.
+old ``.grad`` tensors and writes them itself within the run is not covered).
+Gradients with autograd history (``backward(create_graph=True)``) keep the packed
+path, whose all-reduce is differentiable: added here, one replica's gradients would
+hold the others' graphs.
 
 Each replica makes N - 1 additions instead of one replica making N - 1 additions,
 N packs and N - 1 copies. Measured on the 2-core machine (MLPs, SGD, batch 64 and
@@ -33,6 +34,7 @@ additions per replica outgrow the cores. Hence 2 replicas always, and up to
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 from collections.abc import Sequence
@@ -43,7 +45,7 @@ import torch
 from ..collectives.parts import Parts
 from ..comm.cross_device_ops import sums_directly
 from ..reduce_op import ReduceOp
-from ..reduction import check_dtype
+from ..reduction import check_dtype, describe
 from ..runtime.contract import Arrival, CallSpec, CollectiveFailure
 
 __all__ = ["HOST_SUM_BYTES", "HOST_SUM_REPLICAS", "HostSum"]
@@ -69,28 +71,30 @@ class HostSum:
     Example:
         >>> import torch, mirrored
         >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
-        >>> HostSum.applies(strategy._parts, nbytes=4 << 20)
+        >>> HostSum.applies(strategy._parts, [torch.zeros(1 << 20)])  # (2: any size)
         True
     """
 
-    __slots__ = ("_key", "_leaves", "_parts", "_site")
+    __slots__ = ("_hand_over", "_key", "_leaves", "_parts", "_site")
 
     def __init__(self, parts: Parts, site: str) -> None:
         self._parts = parts
         self._key = next(_numbers)
         self._site = f"{site} (mirrored optimizer #{self._key})"
+        self._hand_over = functools.partial(_hand_over, self._site)
         self._leaves: dict[int, tuple[tuple[torch.dtype, tuple[int, ...]], ...]] = {}
 
     @staticmethod
-    def applies(parts: Parts, nbytes: int) -> bool:
+    def applies(parts: Parts, params: Sequence[torch.Tensor]) -> bool:
         """Whether ``parts``' replicas are host replicas of one process whose
         communicator sums as the packed path does (the default `ReductionToOneDevice`,
-        no ``accumulation_fn``), 2 of them, or up to `HOST_SUM_REPLICAS` with ``nbytes``
-        (a replica's parameters) within `HOST_SUM_BYTES`."""
+        no ``accumulation_fn``), 2 of them, or up to `HOST_SUM_REPLICAS` while
+        ``params`` (a replica's) hold at most `HOST_SUM_BYTES`."""
         topology = parts.topology
         n = topology.num_local_replicas
         return (topology.num_workers == 1 and not topology.elastic
-                and (n == 2 or (2 < n <= HOST_SUM_REPLICAS and nbytes <= HOST_SUM_BYTES))
+                and (n == 2 or (2 < n <= HOST_SUM_REPLICAS and sum(
+                    p.numel() * p.element_size() for p in params) <= HOST_SUM_BYTES))
                 and all(d.type == "cpu" for d in topology.torch_devices)
                 and sums_directly(parts.communicators.for_options(parts.options)))
 
@@ -108,33 +112,45 @@ class HostSum:
                         leaves=described)
         parts = self._parts
         every: Sequence[list[torch.Tensor]] = parts.runtime.exchange(
-            index, Arrival(call, leaves, _hand_over), parts.options.timeout_seconds)
+            index, Arrival(call, leaves, self._hand_over), parts.options.timeout_seconds)
         total = list(torch._foreach_add(every[0], every[1]))
         for other in every[2:]:
             torch._foreach_add_(total, other)
         return total
 
 
-def _hand_over(payloads: Sequence[list[torch.Tensor]]) -> list[Sequence[list[torch.Tensor]]]:
+def _hand_over(site: str, payloads: Sequence[list[torch.Tensor]]
+               ) -> list[Sequence[list[torch.Tensor]]]:
     """Every replica gets every replica's leaves, once their shapes and dtypes agree
     and torch can add them (a step's Python: compared by C-level maps, each dtype
-    checked once)."""
+    checked once; ``site``: the step's name in messages)."""
     first = payloads[0]
     shapes, dtypes = list(map(_SHAPE, first)), list(map(_DTYPE, first))
     for r, leaves in enumerate(payloads):
         if r and (list(map(_SHAPE, leaves)) != shapes or list(map(_DTYPE, leaves)) != dtypes):
-            raise CollectiveFailure(RuntimeError, (
-                f"MirroredOptimizer.step: replica {r}'s gradients and buffers differ in "
-                "number, shape or dtype from replica 0's (the copies of the model must "
-                "stay alike; was one changed in a single replica?)"))
+            raise CollectiveFailure(RuntimeError, _differ_message(site, r, leaves, first))
     for dtype in set(dtypes):
         try:
             check_dtype("MirroredOptimizer.step", ReduceOp.SUM, dtype,
-                        f"gradient or buffer {dtypes.index(dtype)}")
+                        f"{site}, gradient or buffer {dtypes.index(dtype)}")
         except TypeError as error:
             raise CollectiveFailure(TypeError, str(error)) from None
     shared = tuple(payloads)
     return [shared] * len(payloads)
+
+
+def _differ_message(site: str, r: int, leaves: Sequence[torch.Tensor],
+                    first: Sequence[torch.Tensor]) -> str:
+    where = f"MirroredOptimizer.step at {site}: replica {r}"
+    if len(leaves) != len(first):
+        got = f"hands over {len(leaves)} gradients and buffers, replica 0 {len(first)}"
+    else:
+        k = next(k for k, (a, b) in enumerate(zip(leaves, first, strict=True))
+                 if a.shape != b.shape or a.dtype != b.dtype)
+        got = (f"hands over {describe(leaves[k])} as gradient or buffer {k}, where replica "
+               f"0 has {describe(first[k])}")
+    return (f"{where} {got}; expected the same on every replica (the copies of the model "
+            "must stay alike: was one copy changed alone, model.replicas[i]?)")
 
 
 _SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")

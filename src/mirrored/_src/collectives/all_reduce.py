@@ -70,8 +70,10 @@ class AllReduce:
     """
 
     def __init__(self, parts: Parts, index: int, op: ReduceOp, axes: tuple[int, ...] | None,
-                 options: CommunicationOptions, title: str, site: str, value: Any) -> None:
+                 options: CommunicationOptions, title: str, site: str, value: Any,
+                 label: str = "") -> None:
         self.parts = parts
+        self.label = label  # (`all_reduce`)
         self.index = index
         self.op = op
         self.axes = axes
@@ -130,7 +132,8 @@ class AllReduce:
             totals = combine_each(base_op, [p.partials[0] for p in payloads])
             return [Result([total], None) for total in totals]
         reduced = communicator.reduce_packed(base_op, [p.partials for p in payloads],
-                                             [devices] * len(first), self.options.bytes_per_pack)
+                                             [devices] * len(first), self.options.bytes_per_pack,
+                                             self.label)
         return [Result([per_value[r] for per_value in reduced], counts)
                 for r in range(len(payloads))]
 
@@ -216,12 +219,16 @@ def gradient_all_reduce(parts: Parts, index: int, options: CommunicationOptions,
 
 
 def all_reduce(parts: Parts, index: int, reduce_op: ReduceOp | str, value: Any,
-               options: CommunicationOptions | None, axis: Any, site: str) -> Any:
-    """`ReplicaContext.all_reduce` of local replica ``index``; see its docstring."""
+               options: CommunicationOptions | None, axis: Any, site: str,
+               title: str = "", label: str = "") -> Any:
+    """`ReplicaContext.all_reduce` of local replica ``index``; see its docstring.
+    The library's own calls may give the call's ``title``, which the replicas
+    compare, and the ``label`` the workers compare (`Communicator.reduce_packed`),
+    e.g. which mirrored optimizer's step it is."""
     op = ReduceOp.from_value(reduce_op)
     axes = normalize_axis(axis)
     merged = parts.options.merge(options)
-    title = op_title("all_reduce", op, axes)
+    title = title or op_title("all_reduce", op, axes)
     refuse_in_merge_fn(parts, title, site)
     tensors, spec = tensors_of(value, title)
     if axes is None and parts.topology.num_replicas_in_sync == 1:
@@ -231,7 +238,7 @@ def all_reduce(parts: Parts, index: int, reduce_op: ReduceOp | str, value: Any,
             plan_leaf(title, op, t, None, w) for t, w in zip(tensors, wheres, strict=True)])
         return pytree.unflatten(spec, [t.clone() if p.result == t.dtype else t.to(p.result)
                                        for t, p in zip(tensors, plans, strict=True)])
-    job = AllReduce(parts, index, op, axes, merged, title, site, value)
+    job = AllReduce(parts, index, op, axes, merged, title, site, value, label)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         outputs = list(_AllReduceFunction.apply(job, spec, *tensors))  # type: ignore[no-untyped-call]
     else:

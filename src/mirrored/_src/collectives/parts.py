@@ -101,6 +101,9 @@ class Parts:
     (several workers only; ``None``: none, ``compute_average_loss`` counts);
     ``count_calls[i]``: local replica ``i``'s ``compute_average_loss`` calls without a
     size in the current run (several workers: reset when a run starts).
+    ``optimizers[0]``: the mirrored optimizers built on this strategy so far; each
+    takes the next number, which names its steps' calls (every worker builds them in
+    the same order, so the numbers agree across workers).
     """
 
     strategy_ref: weakref.ReferenceType[Any]
@@ -115,6 +118,7 @@ class Parts:
     copies_checked: list[int] = dataclasses.field(init=False)
     step_examples: list[Any] = dataclasses.field(init=False)
     count_calls: list[int] = dataclasses.field(init=False)
+    optimizers: list[int] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "loss_divisors", [0] * self.topology.num_local_replicas)
@@ -122,6 +126,7 @@ class Parts:
         object.__setattr__(self, "copies_checked", [0])
         object.__setattr__(self, "step_examples", [None])
         object.__setattr__(self, "count_calls", [0] * self.topology.num_local_replicas)
+        object.__setattr__(self, "optimizers", [0])
 
     @property
     def strategy(self) -> Any:

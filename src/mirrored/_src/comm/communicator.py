@@ -36,8 +36,8 @@ class Communicator(Protocol):
     """
 
     def reduce_packed(self, reduce_op: ReduceOp, per_replica: Sequence[Sequence[torch.Tensor]],
-                      destinations: Sequence[tuple[Device, ...]], bytes_per_pack: int
-                      ) -> list[list[torch.Tensor]]:
+                      destinations: Sequence[tuple[Device, ...]], bytes_per_pack: int,
+                      label: str = "") -> list[list[torch.Tensor]]:
         """Combines many values with SUM, MIN or MAX, fused into packs.
 
         Args:
@@ -47,6 +47,10 @@ class Communicator(Protocol):
             destinations: ``destinations[k]`` are the devices value ``k`` goes to.
             bytes_per_pack: the most bytes one pack of several values may hold (0: no
                 limit).
+            label: what the values are, when their shapes alone do not say (e.g.
+                which mirrored optimizer's gradients): part of the call's identity
+                that the workers compare; unused in one process, where the replicas'
+                own meeting compares it.
 
         Returns:
             ``out[k][d]``: value ``k`` combined over every replica, on its ``d``-th

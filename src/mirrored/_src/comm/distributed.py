@@ -132,18 +132,19 @@ class DistributedCommunicator:
 
     # ------------------------------------------------------------------ calls
     def reduce_packed(self, reduce_op: ReduceOp, per_replica: Sequence[Sequence[torch.Tensor]],
-                      destinations: Sequence[tuple[Device, ...]], bytes_per_pack: int
-                      ) -> list[list[torch.Tensor]]:
+                      destinations: Sequence[tuple[Device, ...]], bytes_per_pack: int,
+                      label: str = "") -> list[list[torch.Tensor]]:
         """Combines many values over every replica of every worker (SUM, MIN or MAX):
         see `Communicator.reduce_packed`."""
         first = per_replica[0]
         # A training loop repeats its calls: their packs, description and buffers
         # (`ResultSlot`: results are new views of them) are kept.
-        key = (reduce_op, bytes_per_pack, len(per_replica), *map(_META, first),
+        key = (reduce_op, label, bytes_per_pack, len(per_replica), *map(_META, first),
                *map(id, destinations))
         known = self._plans.get(key)
         if known is None:
-            known = self._plan(key, reduce_op, per_replica, destinations, bytes_per_pack)
+            known = self._plan(key, reduce_op, per_replica, destinations, bytes_per_pack,
+                               label)
         packs, what, wire, slots, make = known
         # (copies of inputs that require grad, in grad mode, give the buffer autograd
         # history: kept, it would chain every later call's graph to it)
@@ -184,7 +185,8 @@ class DistributedCommunicator:
 
     def _plan(self, key: tuple[Any, ...], reduce_op: ReduceOp,
               per_replica: Sequence[Sequence[torch.Tensor]],
-              destinations: Sequence[tuple[Device, ...]], bytes_per_pack: int) -> _Plan:
+              destinations: Sequence[tuple[Device, ...]], bytes_per_pack: int,
+              label: str) -> _Plan:
         """A call's packs, description, wire sizes (a list its first call fills), kept
         slots and how to make one; kept under ``key``."""
         first = per_replica[0]
@@ -192,7 +194,8 @@ class DistributedCommunicator:
         packs = packing.plan([t.numel() * t.element_size() for t in first],
                              [(t.dtype, t.device, id(destinations[k]))
                               for k, t in enumerate(first)], bytes_per_pack)
-        what = f"{reduce_op.name} of " + ", ".join(describe(t) for t in first)
+        what = (f"{label}: " if label else "") + f"{reduce_op.name} of " + ", ".join(
+            describe(t) for t in first)
         kind = reduce_op.name.lower()
         sizes = []
         for index, members in enumerate(packs):
@@ -342,7 +345,7 @@ class DistributedCommunicator:
         buffer[:n].copy_(flats[0] if len(flats) == 1 else self._local.reduce_to_devices(
             ReduceOp.SUM, flats, (self._wire,))[0])
         wire = (("sum", str(dtype), n + extra),)
-        what = f"MirroredOptimizer.step: SUM of {what} of the gradients"
+        what = f"MirroredOptimizer.step: SUM of {what}"
         if sync:
             self._calls.call(what, wire, [buffer])
             return OverlappedSum(None, buffer[:n])

@@ -48,8 +48,8 @@ class LocalCommunicator:
         self.ops = ops
 
     def reduce_packed(self, reduce_op: ReduceOp, per_replica: Sequence[Sequence[torch.Tensor]],
-                      destinations: Sequence[tuple[Device, ...]], bytes_per_pack: int
-                      ) -> list[list[torch.Tensor]]:
+                      destinations: Sequence[tuple[Device, ...]], bytes_per_pack: int,
+                      label: str = "") -> list[list[torch.Tensor]]:
         return self.ops.reduce_packed(reduce_op, per_replica, destinations, bytes_per_pack)
 
     def gather(self, per_replica: Sequence[torch.Tensor], dim: int,

@@ -42,8 +42,8 @@ class ElasticCommunicator:
         self._session = session
 
     def reduce_packed(self, reduce_op: ReduceOp, per_replica: Sequence[Sequence[torch.Tensor]],
-                      destinations: Sequence[tuple[Device, ...]], bytes_per_pack: int
-                      ) -> list[list[torch.Tensor]]:
+                      destinations: Sequence[tuple[Device, ...]], bytes_per_pack: int,
+                      label: str = "") -> list[list[torch.Tensor]]:
         """Combines many values over every replica of the step's workers (SUM, MIN or
         MAX): see `Communicator.reduce_packed`."""
         first = per_replica[0]

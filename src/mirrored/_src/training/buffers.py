@@ -85,3 +85,16 @@ class BufferSync:
             return []
         return [(qualified, t) for m, name, qualified in self.all
                 if (t := m._buffers[name]) is not None]
+
+    def refuse_from_first(self, rule: BufferRule) -> None:
+        """Under an elastic strategy (replica 0's worker may be missing from a step):
+        raises `ValueError` if the rule would take a buffer from replica 0."""
+        from_first = [name for m, attr, name in self.owners
+                      if (t := m._buffers[attr]) is not None
+                      and (rule == "broadcast" or not t.is_floating_point())]
+        if from_first:
+            raise ValueError(
+                f"under an elastic strategy no buffer can be taken from replica 0, whose "
+                f"worker may be missing from a step; {from_first} would be (buffers="
+                f"{rule!r}). Use buffers='average' with floating-point buffers, or "
+                "buffers='off' and keep them equal yourself")

@@ -35,7 +35,6 @@ additions per replica outgrow the cores. Hence 2 replicas always, and up to
 from __future__ import annotations
 
 import functools
-import itertools
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -50,7 +49,6 @@ from ..runtime.contract import Arrival, CallSpec, CollectiveFailure
 
 __all__ = ["HOST_SUM_BYTES", "HOST_SUM_REPLICAS", "HostSum"]
 
-_numbers = itertools.count(1)  # (`HostSum`: one per mirrored optimizer of the process)
 
 # Beyond 2 replicas, the most replicas and the most bytes of parameters per replica
 # summed this way (every replica adds N - 1 times: see the module docstring).
@@ -64,9 +62,10 @@ class HostSum:
 
     Args:
         parts: the strategy's parts (runtime, options).
-        site: how messages name the step's gradients; each `HostSum` adds its own
-            number, which also keys the replicas' meeting (two optimizers' steps met
-            by different replicas are a `CollectiveMismatchError` naming both).
+        site: how messages name the step's gradients (and the optimizer).
+        label: the mirrored optimizer's step (``"MirroredOptimizer.step (mirrored
+            optimizer #1)"``), the meeting's title and key: two optimizers' steps met
+            by different replicas are a `CollectiveMismatchError` naming both.
 
     Example:
         >>> import torch, mirrored
@@ -77,10 +76,10 @@ class HostSum:
 
     __slots__ = ("_hand_over", "_key", "_leaves", "_parts", "_site")
 
-    def __init__(self, parts: Parts, site: str) -> None:
+    def __init__(self, parts: Parts, site: str, label: str) -> None:
         self._parts = parts
-        self._key = next(_numbers)
-        self._site = f"{site} (mirrored optimizer #{self._key})"
+        self._key = label
+        self._site = site
         self._hand_over = functools.partial(_hand_over, self._site)
         self._leaves: dict[int, tuple[tuple[torch.dtype, tuple[int, ...]], ...]] = {}
 
@@ -108,7 +107,7 @@ class HostSum:
         if described is None:
             described = self._leaves[len(leaves)] = tuple(
                 (t.dtype, tuple(t.shape)) for t in leaves)
-        call = CallSpec("MirroredOptimizer.step", self._site, (self._key, len(leaves)),
+        call = CallSpec(self._key, self._site, (self._key, len(leaves)),
                         leaves=described)
         parts = self._parts
         every: Sequence[list[torch.Tensor]] = parts.runtime.exchange(

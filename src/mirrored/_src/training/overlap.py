@@ -165,11 +165,14 @@ class GradientBuckets:
             communicator (in-process replicas).
         devices: the local replicas' devices (destinations of the sums).
         bucket_bytes: the most bytes of gradients per bucket.
+        label: the optimizer (``"mirrored optimizer #1"``), which the workers' calls name.
     """
 
     def __init__(self, params: tuple[list[nn.Parameter], ...], comm: Any,
-                 devices: tuple[Any, ...], bucket_bytes: int) -> None:
+                 devices: tuple[Any, ...], bucket_bytes: int,
+                 label: str = "the optimizer") -> None:
         self._params = params
+        self._label = label
         self._sum: AsyncSum = comm if hasattr(comm, "launch_sum") else _LocalSum(comm, devices)
         self._local = len(params)
         self.plan = bucket_plan(params[0], bucket_bytes)
@@ -263,8 +266,8 @@ class GradientBuckets:
             flats.append(packing.pack([g.detach() if g is not None else torch.zeros_like(ps[k])
                                        for k, g in zip(members, grads, strict=True)]))
         start = time.perf_counter()
-        pending = self._sum.launch_sum(f"gradient bucket {b + 1} of {len(self.plan)}", flats,
-                                       sync=sync)
+        pending = self._sum.launch_sum(
+            f"gradient bucket {b + 1} of {len(self.plan)} of {self._label}", flats, sync=sync)
         # [launch, launch returned, completed (0: not seen yet)]
         span = [start, time.perf_counter(), 0.0 if pending.works else time.perf_counter()]
         self._spans.append(span)

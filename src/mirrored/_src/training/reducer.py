@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..collectives.call import user_stacklevel
+from ..collectives.all_reduce import all_reduce
+from ..collectives.call import call_site, user_stacklevel
 from ..errors import LossScalingWarning, ReplicaDivergenceError
 from ..reduce_op import ReduceOp
 from ..runtime.contract import Arrival, CallSpec
@@ -73,6 +74,11 @@ class GradientReducer:
         self._params = params
         self._check: Check = check
         self._steps = None if self._parts.cluster is None else self._parts.cluster.steps
+        # The step's calls name this optimizer: two optimizers' steps met by different
+        # replicas or workers are a CollectiveMismatchError, not one sum of both.
+        self._parts.optimizers[0] += 1
+        self.number = f"mirrored optimizer #{self._parts.optimizers[0]}"
+        self.label = f"MirroredOptimizer.step ({self.number})"
         self.committed = [True] * local  # elastic: the last all-reduce's step was committed
         if self._steps is not None and overlap:
             raise ValueError("mirror_optimizer(overlap=True) is not available under an elastic "
@@ -82,15 +88,7 @@ class GradientReducer:
         self._sync = tuple(BufferSync(buffers, other_buffers(c), n) for c in module.replicas)
         self._names = names + [name for name, _ in self._sync[0].fingerprinted()]
         if self._steps is not None:  # elastic: replica 0's worker may be missing
-            from_first = [name for m, attr, name in self._sync[0].owners
-                          if (t := m._buffers[attr]) is not None
-                          and (buffers == "broadcast" or not t.is_floating_point())]
-            if from_first:
-                raise ValueError(
-                    f"under an elastic strategy no buffer can be taken from replica 0, whose "
-                    f"worker may be missing from a step; {from_first} would be (buffers="
-                    f"{buffers!r}). Use buffers='average' with floating-point buffers, or "
-                    "buffers='off' and keep them equal yourself")
+            self._sync[0].refuse_from_first(buffers)
         # On one replica too: the same step raises on 1 replica as on N.
         self._watch = GradientWatch(params) if check != "off" else None
         self.reduced = [False] * local  # the replica's gradients are all-reduced already
@@ -121,12 +119,13 @@ class GradientReducer:
             self._meta = tuple(torch.cat([m, (torch.arange(n, device=m.device) == g).to(m.dtype)])
                                for m, g in zip(self._meta, ids, strict=True))
         # In-process host replicas add each other's gradients on their own threads.
-        self._host_sum = HostSum(self._parts, f"the gradients of {names[0]}, ...") if (
-            HostSum.applies(self._parts, params[0])) else None
+        self._host_sum = HostSum(self._parts, f"the gradients of {names[0]}, ...",
+                                 self.label) if HostSum.applies(self._parts, params[0]) else None
         self.buckets: GradientBuckets | None = None
         if overlap and n > 1 and len(bucket_plan(params[0], bucket_bytes)) > 1:
             self.buckets = GradientBuckets(params, self._parts.communicators.default,
-                                           self._parts.topology.devices, bucket_bytes)
+                                           self._parts.topology.devices, bucket_bytes,
+                                           self.number)
             # + this replica's stale and accumulated flags (see GradientBuckets)
             self._meta = tuple(torch.cat([m, m.new_zeros(2)]) for m in self._meta)
 
@@ -141,12 +140,13 @@ class GradientReducer:
             return [_Finished(*buckets.finish())] * len(payloads)
 
         parts = self._parts
-        call = CallSpec("MirroredOptimizer.step", "the gradient buckets", ("buckets",))
+        call = CallSpec(self.label, "the gradient buckets", ("buckets", self.label))
         return parts.runtime.exchange(r, Arrival(call, None, combine),
                                       parts.options.timeout_seconds)
 
     def _sum(self, ctx: ReplicaContext, leaves: list[Any]) -> list[torch.Tensor]:
-        """``ctx.all_reduce("SUM", leaves)``. A worker with one replica, whose only
+        """``ctx.all_reduce("SUM", leaves)``, titled with this optimizer. A worker with
+        one replica, whose only
         peers are other workers, hands float leaves straight to the communicator: the
         same call and packs (so the same sums, bitwise), without the in-process
         rendezvous and per-leaf planning that only several local replicas need."""
@@ -157,9 +157,10 @@ class GradientReducer:
             options = parts.options
             reduced = parts.communicators.for_options(options).reduce_packed(
                 ReduceOp.SUM, [leaves], [topology.devices] * len(leaves),
-                options.bytes_per_pack)
+                options.bytes_per_pack, self.number)
             return [per_value[0] for per_value in reduced]
-        result: list[torch.Tensor] = ctx.all_reduce("SUM", leaves)
+        result: list[torch.Tensor] = all_reduce(parts, ctx._index, "SUM", leaves, None, None,
+                                                call_site(1), self.label, self.number)
         return result
 
     def discards(self, r: int) -> bool:

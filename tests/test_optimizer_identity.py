@@ -1,0 +1,148 @@
+"""Two mirrored optimizers whose steps meet across replicas or workers are a
+`CollectiveMismatchError` naming both, on every path the step's gradients take: the
+host sum (2 replicas), the packed all-reduce (3 replicas), gradient buckets, and
+across workers (one and two local replicas, with and without buckets), under every
+``check``. Before, a step of optimizer #1 on some replicas and of #2 on the others
+summed the two models' gradients into one (models of the same shapes): with
+``check="off"`` a silent wrong step, and with the default check a
+`ReplicaDivergenceError` blaming a manual update.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import mirrored
+from mirrored._src.training import overlap as overlap_module
+from mirrored.experimental import CommunicationOptions
+
+
+def _pair(strategy: mirrored.Strategy, check: str, overlap: bool, width: int = 40
+          ) -> tuple[list[mirrored.MirroredModule], list[torch.optim.Optimizer]]:
+    """Two models of the same shapes (and the same initial values: the copies'
+    fingerprints cannot tell them apart) and their mirrored optimizers; ``width``
+    400: 1.2 MiB of parameters, past the host sum's limit on 3 replicas."""
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(strategy.mirror(nn.Sequential(nn.Linear(width, width),
+                                                     nn.Linear(width, width))))
+    opts = [strategy.mirror_optimizer(m, lambda p: torch.optim.SGD(p, lr=0.1), check=check,
+                                      overlap=overlap) for m in models]
+    return models, opts
+
+
+def _crossed_step(models: list[mirrored.MirroredModule], opts: list[torch.optim.Optimizer],
+                  which: int, width: int = 40) -> None:
+    """A step where this replica trains model ``which`` only (the others the other)."""
+    loss = models[which](torch.ones(2, width)).sum(1)
+    mirrored.compute_average_loss(loss, global_batch_size=4).backward()
+    opts[which].step()
+
+
+def _params(model: mirrored.MirroredModule) -> list[torch.Tensor]:
+    return [p.detach().clone() for c in model.replicas for p in c.parameters()]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("check", ["off", "cheap", "full"])
+@pytest.mark.parametrize(("replicas", "overlap"), [(2, False), (3, False), (3, True)])
+def test_replicas_stepping_different_optimizers_raise_naming_both(
+        monkeypatch: pytest.MonkeyPatch, replicas: int, overlap: bool, check: str) -> None:
+    monkeypatch.setattr(overlap_module, "DEFAULT_BUCKET_BYTES", 4096)  # (overlap: 2 buckets)
+    strategy = mirrored.MirroredStrategy([f"CPU:{i}" for i in range(replicas)])
+    try:
+        width = 40 if replicas == 2 else 400
+        models, opts = _pair(strategy, check, overlap, width)
+        reducers = [o._reducer for o in opts]  # type: ignore[attr-defined]
+        # (the path under test: the host sum on 2 replicas, else the packed all-reduce,
+        # with buckets when asked)
+        assert [r._host_sum is not None for r in reducers] == [replicas == 2] * 2
+        assert [r.buckets is not None for r in reducers] == [overlap] * 2
+        before = [_params(m) for m in models]
+
+        def step() -> None:
+            r = mirrored.get_replica_context().replica_id_in_sync_group
+            _crossed_step(models, opts, min(r, 1), width)
+
+        with pytest.raises(mirrored.CollectiveMismatchError) as raised:
+            strategy.run(step)
+        message = str(raised.value)
+        assert "MirroredOptimizer.step (mirrored optimizer #1)" in message
+        assert "MirroredOptimizer.step (mirrored optimizer #2)" in message
+        for model, params in zip(models, before, strict=True):  # no step was applied
+            assert all(torch.equal(a, b) for a, b in zip(_params(model), params, strict=True))
+    finally:
+        strategy.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_two_optimizers_stepped_alike_train_each_model_as_one_device(replicas: int) -> None:
+    """The numbers only name the calls: every replica stepping both optimizers, in
+    the same order, trains each model as one device does."""
+    strategy = mirrored.MirroredStrategy([f"CPU:{i}" for i in range(replicas)])
+    try:
+        models, opts = _pair(strategy, "cheap", False)
+        x = torch.randn(3 * replicas, 40, generator=torch.Generator().manual_seed(1))
+        plain = [nn.Sequential(nn.Linear(40, 40), nn.Linear(40, 40)) for _ in range(2)]
+        for net, model, scale in zip(plain, models, (1.0, 2.0), strict=True):
+            net.load_state_dict(model.replicas[0].state_dict())
+            (scale * net(x).sum(1)).mean().backward()
+            with torch.no_grad():
+                for p in net.parameters():
+                    p -= 0.1 * p.grad
+
+        def step(xs: torch.Tensor) -> None:
+            for model, opt, scale in zip(models, opts, (1.0, 2.0), strict=True):
+                mirrored.compute_average_loss(scale * model(xs).sum(1)).backward()
+                opt.step()
+
+        dist_x = strategy.experimental_distribute_values_from_function(
+            lambda ctx: x.chunk(replicas)[ctx.replica_id_in_sync_group])
+        strategy.run(step, args=(dist_x,))
+        for model, net in zip(models, plain, strict=True):
+            for copy in model.replicas:
+                for a, b in zip(copy.parameters(), net.parameters(), strict=True):
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    finally:
+        strategy.close()
+
+
+def _crossed_workers(local: int, check: str, bucket_bytes: int) -> dict[str, object]:
+    overlap_module.DEFAULT_BUCKET_BYTES = bucket_bytes  # (this worker process only)
+    strategy = mirrored.MultiWorkerMirroredStrategy(
+        communication_options=CommunicationOptions(timeout_seconds=30),
+        devices=[f"CPU:{i}" for i in range(local)])
+    try:
+        models, opts = _pair(strategy, check, True)  # (overlap: the default across workers)
+        buckets = [o._reducer.buckets is not None for o in opts]  # type: ignore[attr-defined]
+        before = [_params(m) for m in models]
+        worker = strategy.cluster_resolver.task_id
+        try:
+            strategy.run(_crossed_step, args=(models, opts, worker))
+            error = "no error"
+        except mirrored.CollectiveMismatchError as caught:
+            error = str(caught)
+        unchanged = [all(torch.equal(a, b) for a, b in zip(_params(m), p, strict=True))
+                     for m, p in zip(models, before, strict=True)]
+        return {"error": error, "unchanged": unchanged, "buckets": buckets}
+    finally:
+        strategy.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("local", "check", "bucket_bytes"), [
+    (1, "off", 25 << 20), (1, "cheap", 4096), (2, "off", 25 << 20), (2, "cheap", 4096)])
+def test_workers_stepping_different_optimizers_raise_naming_both(
+        local: int, check: str, bucket_bytes: int) -> None:
+    results = mirrored.testing.run_multi_process(_crossed_workers, 2,
+                                                 args=(local, check, bucket_bytes), timeout=110)
+    for result in results:
+        assert result["buckets"] == [bucket_bytes == 4096] * 2
+        assert "mirrored optimizer #1" in result["error"], result["error"]
+        assert "mirrored optimizer #2" in result["error"], result["error"]
+        assert result["unchanged"] == [True, True]

@@ -146,3 +146,62 @@ def test_workers_stepping_different_optimizers_raise_naming_both(
         assert "mirrored optimizer #1" in result["error"], result["error"]
         assert "mirrored optimizer #2" in result["error"], result["error"]
         assert result["unchanged"] == [True, True]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("concurrent", [False, True])
+@pytest.mark.parametrize(("replicas", "width", "check", "which"), [
+    (2, 40, "cheap", "original"), (2, 40, "full", "replicas[0]"),
+    (3, 400, "cheap", "original"), (3, 40, "cheap", "replicas[1]")])
+def test_a_step_running_another_replicas_copy_is_refused_naming_the_cause(
+        replicas: int, width: int, check: str, which: str, concurrent: bool) -> None:
+    """The port that keeps calling the module given to ``mirror`` (replica 0's copy)
+    or ``model.replicas[i]``: every replica's backward reaches that copy."""
+    options = CommunicationOptions(timeout_seconds=60) if concurrent else None
+    strategy = mirrored.MirroredStrategy([f"CPU:{i}" for i in range(replicas)],
+                                         communication_options=options)
+    try:
+        net = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 3))
+        model = strategy.mirror(net)
+        opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1),
+                                        check=check)
+        wrong = net if which == "original" else model.replicas[int(which[-2])]
+        copy = 0 if which == "original" else int(which[-2])
+        before = _params(model)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> None:
+            loss = nn.functional.cross_entropy(wrong(x), y, reduction="none")
+            mirrored.compute_average_loss(loss).backward()
+            opt.step()
+
+        x, y = torch.randn(4 * replicas, width), torch.randint(0, 3, (4 * replicas,))
+        xb, yb = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+        with pytest.raises(mirrored.ReplicaDivergenceError,
+                           match=rf"replica \d's backward\(\) reached replica {copy}'s copy "
+                                 r"of the mirrored model: the step function ran a module other "
+                                 r"than the mirrored model .* Call the mirrored model itself"):
+            strategy.run(step, args=(xb, yb))
+        assert all(torch.equal(a, b) for a, b in zip(_params(model), before, strict=True))
+    finally:
+        strategy.close()
+
+
+@pytest.mark.timeout(60)
+def test_each_replica_calling_the_mirrored_model_is_not_a_crossing() -> None:
+    """Nested mirrored modules, submodules reached through the mirrored model and a
+    second backward: each replica reaches only its own copy."""
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    try:
+        model = strategy.mirror(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)))
+        opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+
+        def step(x: torch.Tensor) -> None:
+            mirrored.compute_average_loss(model[1](model[0](x)).sum(1)).backward()
+            mirrored.compute_average_loss(model(x).sum(1)).backward()
+            opt.step()
+
+        for _ in range(3):
+            strategy.run(step, args=(torch.ones(2, 8),))
+        assert opt._reducer._watch.crossed == [None]  # type: ignore[attr-defined]
+    finally:
+        strategy.close()

@@ -85,7 +85,7 @@ class MirrorWorker:
     def __init__(self, ops):
         self.local = LocalCommunicator(ops)
 
-    def reduce_packed(self, reduce_op, per_replica, destinations, bytes_per_pack):
+    def reduce_packed(self, reduce_op, per_replica, destinations, bytes_per_pack, label=""):
         out = self.local.reduce_packed(reduce_op, per_replica, destinations, bytes_per_pack)
         if reduce_op is mirrored.ReduceOp.SUM:
             out = [[t * 2 for t in per_value] for per_value in out]

@@ -23,10 +23,11 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
+from ..context import current_replica_context
 from ..errors import ReplicaDivergenceError
 
-__all__ = ["CHEAP_EVERY", "CHECKS", "Check", "GradientWatch", "compare", "discarded_message",
-           "fingerprint", "modified_message"]
+__all__ = ["CHEAP_EVERY", "CHECKS", "Check", "GradientWatch", "compare", "crossed_message",
+           "discarded_message", "fingerprint", "modified_message"]
 
 Check = Literal["cheap", "full", "off"]
 CHECKS: tuple[Check, ...] = ("cheap", "full", "off")
@@ -134,10 +135,18 @@ class GradientWatch:
     removed in between. There the gradients are the global ones, so a change between
     ``backward()`` and ``step()`` is not wrong, only wrong on N replicas: a step
     that makes it every time is refused at the first, at about an eighth of the
-    hooks' cost (1.8 % of the README loop's step at batch 64 when always on)."""
+    hooks' cost (1.8 % of the README loop's step at batch 64 when always on).
 
-    def __init__(self, params: Sequence[Sequence[nn.Parameter]], check: Check = "full") -> None:
+    ``known`` (the mirrored module's replica contexts -> local index): the hooks also
+    note a replica whose backward reaches another replica's copy (``crossed[0]``:
+    ``(running replica, copy)``), i.e. a step that ran the original module or
+    ``model.replicas[i]`` instead of the mirrored model."""
+
+    def __init__(self, params: Sequence[Sequence[nn.Parameter]], check: Check = "full",
+                 known: dict[Any, int] | None = None) -> None:
         self._params = params
+        self._known = known
+        self.crossed: list[tuple[int, int] | None] = [None]
         self._none: list[list[tuple[torch.Tensor, int] | None]] = [[None] * len(p)
                                                                    for p in params]
         self.seen = list(self._none)  # per replica: a backward's records, or all None
@@ -164,7 +173,7 @@ class GradientWatch:
     def _hook(self, r: int) -> Callable[[torch.Tensor], None]:
         # Closures over locals: these run between the kernels of every backward.
         params, seen_all, pending, queued = self._params[r], self.seen, self.fresh, self._queued
-        none = self._none[r]
+        none, known, crossed = self._none[r], self._known, self.crossed
         # torch's engine runs queued callbacks when this backward pass ends (a private
         # entry point, stable since torch 1.x; DDP's reducer uses it).
         queue = Variable._execution_engine.queue_callback
@@ -179,6 +188,9 @@ class GradientWatch:
             pending[r] = seen != none
 
         def hook(_: torch.Tensor) -> None:
+            # (on a replica's thread; an autograd device thread has no context: r)
+            if known is not None and (i := known.get(current_replica_context(), r)) != r:
+                crossed[0] = (i, r)
             if not queued[r]:
                 queued[r] = True
                 queue(snapshot)
@@ -189,7 +201,15 @@ class GradientWatch:
         return self.fresh[r]
 
     def modified(self, r: int, params: Sequence[nn.Parameter]) -> list[int]:
-        """The parameters whose gradient changed since backward put it there."""
+        """The parameters whose gradient changed since backward put it there.
+
+        Raises:
+            ReplicaDivergenceError: a replica's backward reached another's copy (once
+                raised, forgotten: the next step is judged on its own).
+        """
+        if self.crossed[0] is not None:
+            (running, copy), self.crossed[0] = self.crossed[0], None
+            raise ReplicaDivergenceError(crossed_message(running, copy))
         if not self.fresh[r]:
             return []
         out = []
@@ -265,7 +285,10 @@ def modified_message(names: Sequence[str], replica: int, replicas: int = 2) -> s
         "Clip the all-reduced gradients with optimizer.step(clip_grad_norm=c) (with a "
         "GradScaler: "
         "scaler.step(optimizer, clip_grad_norm=c), or scaler.unscale_(optimizer) first, which "
-        "all-reduces, then clip); to scale gradients, scale the loss instead")
+        "all-reduces, then clip); to scale gradients, scale the loss instead"
+        + ("" if replicas == 1 else ". If no code changes gradients: another replica's "
+           "backward() may have reached this replica's copy (the step ran the original "
+           "module, a part of it, or model.replicas[i]); call the mirrored model, model(x)"))
 
 
 def discarded_message(replica: int) -> str:
@@ -277,3 +300,14 @@ def discarded_message(replica: int) -> str:
             "copies drift apart. Update with optimizer.step(), which all-reduces first; to drop "
             "a step's gradients on purpose, call optimizer.step() with a learning rate of 0 or "
             "do not call backward()")
+
+
+def crossed_message(running: int, copy: int) -> str:
+    """Why a step is refused whose backward on local replica ``running`` reached the
+    copy of local replica ``copy``."""
+    return (f"replica {running}'s backward() reached replica {copy}'s copy of the mirrored "
+            f"model: the step function ran a module other than the mirrored model (the "
+            f"original module given to strategy.mirror is replica 0's copy, and "
+            f"model.replicas[i] is replica i's), so replica {copy}'s gradients mix several "
+            "replicas' batches and the others' copies get none. Call the mirrored model "
+            "itself, model(x): it runs each replica's own copy")

@@ -90,7 +90,7 @@ class GradientReducer:
         if self._steps is not None:  # elastic: replica 0's worker may be missing
             self._sync[0].refuse_from_first(buffers)
         # On one replica too: the same step raises on 1 replica as on N.
-        self._watch = GradientWatch(params) if check != "off" else None
+        self._watch = GradientWatch(params, known=module._known) if check != "off" else None
         self.reduced = [False] * local  # the replica's gradients are all-reduced already
         self.seq = [0] * local  # all-reduces made by each replica (equal on every one)
         first = params[0][0]
@@ -172,8 +172,8 @@ class GradientReducer:
         and buffers; the reduced gradients replace ``.grad``.
 
         Raises:
-            ReplicaDivergenceError: a gradient changed in place since ``backward()``,
-                or the copies' fingerprints differ.
+            ReplicaDivergenceError: a gradient changed in place since ``backward()``, a
+                backward reached another replica's copy, or the copies differ.
         """
         g = ctx.replica_id_in_sync_group
         params = self._params[r]

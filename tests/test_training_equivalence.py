@@ -111,7 +111,7 @@ def assert_copies_equal(model: MirroredModule) -> None:
 
 @pytest.fixture(scope="module")
 def strategies() -> Iterator[dict[int, mirrored.MirroredStrategy]]:
-    made = {n: mirrored.MirroredStrategy([f"CPU:{i}" for i in range(n)]) for n in (2, 3, 4)}
+    made = {n: mirrored.MirroredStrategy([f"CPU:{i}" for i in range(n)]) for n in (1, 2, 3, 4)}
     yield made
     for strategy in made.values():
         strategy.close()
@@ -206,3 +206,63 @@ def test_checkpoint_resume_equals_straight_training(
     for key, value in resumed.state_dict().items():
         assert torch.equal(value, expected[key]), key
     assert_copies_equal(resumed)
+
+
+SCHEDULERS = {
+    "step": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
+    "lambda": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0 / (1 + e)),
+    "cosine": lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10),
+    "sequential": lambda opt: torch.optim.lr_scheduler.SequentialLR(opt, [
+        torch.optim.lr_scheduler.LinearLR(opt, 0.5, total_iters=2),
+        torch.optim.lr_scheduler.ExponentialLR(opt, 0.9)], milestones=[2]),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("name", sorted(SCHEDULERS))
+def test_a_scheduler_stepped_inside_run_is_refused(
+        strategies: dict[int, mirrored.MirroredStrategy], name: str, replicas: int) -> None:
+    """The plain loop's ``scheduler.step()`` after ``optimizer.step()``, ported into
+    the step function: each replica would step it, a schedule N times too fast."""
+    strategy = strategies[replicas]
+    model = mirror(strategy, mlp())
+    optimizer = mirror_optimizer(strategy, model, OPTIMIZERS["sgd"])
+    scheduler = SCHEDULERS[name](optimizer)
+    epoch, lr = scheduler.last_epoch, optimizer.param_groups[0]["lr"]  # (replica 0's: all's)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        mirrored.compute_average_loss(per_example_loss(model(x), y)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+
+    x, y = batches((3,))[0]
+    times = f"{replicas} times per training step" if replicas > 1 else "N times per training"
+    owner = "(LinearLR|ExponentialLR)" if name == "sequential" else type(scheduler).__name__
+    with pytest.raises(RuntimeError, match=rf"^{owner} was stepped \(or built\) inside "
+                                           rf"strategy.run: .* advance {times}"):
+        strategy.run(step, args=(mirrored.PerReplica(split(x, replicas)),
+                                 mirrored.PerReplica(split(y, replicas))))
+    # The learning rate did not move (the schedule's count did, once per replica).
+    assert [o.param_groups[0]["lr"] for o in optimizer.optimizers] == [lr] * replicas
+    assert scheduler.last_epoch <= epoch + replicas
+
+
+@pytest.mark.timeout(60)
+def test_plateau_and_schedulers_built_inside_run_are_refused(
+        strategies: dict[int, mirrored.MirroredStrategy]) -> None:
+    strategy = strategies[2]
+    model = mirror(strategy, mlp())
+    optimizer = mirror_optimizer(strategy, model, OPTIMIZERS["sgd"])
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0)
+
+    with pytest.raises(RuntimeError, match=r"^ReduceLROnPlateau was stepped"):
+        strategy.run(plateau.step, args=(1.0,))
+    with pytest.raises(RuntimeError, match=r"^StepLR was stepped"):
+        strategy.run(lambda: torch.optim.lr_scheduler.StepLR(optimizer, step_size=1))
+    # Outside run, as in the test above: replica 0's groups, copied at the next step.
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0)
+    for loss in (1.0, 2.0):
+        plateau.step(loss)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.01)

@@ -31,7 +31,7 @@ from . import overlap as _overlap
 from .buffers import BUFFER_RULES, BufferRule
 from .check import CHECKS, Check, GradientWatch, discarded_message
 from .module import MirroredModule, as_mirrored_module, replica_index, replica_of
-from .plain_optimizer import GUARD, trust
+from .plain_optimizer import GUARD, refuse_scheduler, trust
 from .reducer import GradientReducer
 from .structure import check_module
 
@@ -109,6 +109,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
         (its own gradients, for ``GradScaler.unscale_``), replica 0's elsewhere
         (the hyper-parameters of all: every replica copies them at ``step()``)."""
         r = replica_index(self._strategy, "MirroredOptimizer.param_groups", required=False)
+        if r is not None:  # (inside run: not a scheduler's step; see `refuse_scheduler`)
+            refuse_scheduler(self._strategy.num_replicas_in_sync)
         return self._optimizers[r or 0].param_groups
 
     @property

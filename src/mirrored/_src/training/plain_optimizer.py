@@ -15,16 +15,18 @@ it among the hooks it must run.
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections.abc import Iterable
+from types import FrameType
 from typing import Any, TypeVar
 
 import torch
 import torch.optim.optimizer as _torch_optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["GUARD", "forget", "register_copies", "trust"]
+__all__ = ["GUARD", "SCHEDULERS", "forget", "refuse_scheduler", "register_copies", "trust"]
 
 T = TypeVar("T")
 _TRUSTED = "_mirrored_trusted"
@@ -100,3 +102,37 @@ def _refuse(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
                     f"{plain}(params, ...)) and step that")
     if generation == _generation[0]:
         _clear[optimizer] = count
+
+
+# The modules whose code steps a torch LR scheduler (every scheduler's ``step``, and
+# its construction's first step, reach the optimizer's ``param_groups`` from here).
+SCHEDULERS = frozenset({"torch.optim.lr_scheduler"})
+
+
+def refuse_scheduler(replicas: int) -> None:
+    """Raises `RuntimeError` if the caller's caller (the code reading a mirrored
+    optimizer's ``param_groups`` inside ``run``) is a torch LR scheduler: every
+    replica runs the step function, so a scheduler stepped there advances once per
+    replica and training step (on one device, once), a schedule ``replicas`` times too
+    fast with nothing else to show for it. Refused on one replica too, so that the
+    step that runs there runs on N.
+
+    Example:
+        >>> refuse_scheduler(2)  # (called from elsewhere: nothing to refuse)
+    """
+    frame: FrameType | None = sys._getframe(2)
+    if frame is None or frame.f_globals.get("__name__") not in SCHEDULERS:
+        return
+    owner = None  # (the scheduler: the first `self` up the scheduler module's frames)
+    while owner is None and frame is not None and frame.f_globals.get("__name__") in SCHEDULERS:
+        owner, frame = frame.f_locals.get("self"), frame.f_back
+    name = type(owner).__name__ if owner is not None else "an LR scheduler"
+    times = (f"{replicas} times per training step ({replicas} replicas)" if replicas > 1 else
+             "N times per training step on N replicas (refused on one replica too, so that "
+             "this step runs on N)")
+    raise RuntimeError(
+        f"{name} was stepped (or built) inside strategy.run: every replica runs the step "
+        f"function, so it would advance {times}, where one device advances it once. Call "
+        "scheduler.step() after "
+        "strategy.run returns, in the training loop (ReduceLROnPlateau: with a metric "
+        "reduced by strategy.reduce), and build schedulers outside strategy.run")

@@ -110,7 +110,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
         (the hyper-parameters of all: every replica copies them at ``step()``)."""
         r = replica_index(self._strategy, "MirroredOptimizer.param_groups", required=False)
         if r is not None:  # (inside run: not a scheduler's step; see `refuse_scheduler`)
-            refuse_scheduler(self._strategy.num_replicas_in_sync)
+            refuse_scheduler(len(self._optimizers))
         return self._optimizers[r or 0].param_groups
 
     @property

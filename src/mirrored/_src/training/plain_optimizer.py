@@ -111,11 +111,11 @@ SCHEDULERS = frozenset({"torch.optim.lr_scheduler"})
 
 def refuse_scheduler(replicas: int) -> None:
     """Raises `RuntimeError` if the caller's caller (the code reading a mirrored
-    optimizer's ``param_groups`` inside ``run``) is a torch LR scheduler: every
+    optimizer's ``param_groups`` inside ``run``) is a torch LR scheduler: every local
     replica runs the step function, so a scheduler stepped there advances once per
-    replica and training step (on one device, once), a schedule ``replicas`` times too
-    fast with nothing else to show for it. Refused on one replica too, so that the
-    step that runs there runs on N.
+    replica and training step (on one device, once), a schedule ``replicas`` (the
+    process's) times too fast with nothing else to show for it. Refused on one
+    replica too, so that the step that runs there runs on N.
 
     Example:
         >>> refuse_scheduler(2)  # (called from elsewhere: nothing to refuse)
@@ -127,9 +127,9 @@ def refuse_scheduler(replicas: int) -> None:
     while owner is None and frame is not None and frame.f_globals.get("__name__") in SCHEDULERS:
         owner, frame = frame.f_locals.get("self"), frame.f_back
     name = type(owner).__name__ if owner is not None else "an LR scheduler"
-    times = (f"{replicas} times per training step ({replicas} replicas)" if replicas > 1 else
-             "N times per training step on N replicas (refused on one replica too, so that "
-             "this step runs on N)")
+    times = (f"{replicas} times per training step (this process's {replicas} replicas)"
+             if replicas > 1 else "N times per training step on N replicas in a process "
+             "(refused on one replica too, so that this step runs on N)")
     raise RuntimeError(
         f"{name} was stepped (or built) inside strategy.run: every replica runs the step "
         f"function, so it would advance {times}, where one device advances it once. Call "

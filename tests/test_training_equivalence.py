@@ -1,12 +1,14 @@
 """N-replica training equals single-device training over the same global batches
 (MLP, and a small CNN with sync BatchNorm; SGD with momentum and Adam; partial
-and empty per-replica batches), and the copies stay bitwise equal."""
+and empty per-replica batches), and the copies stay bitwise equal; per-step objects
+(LR schedulers, averaged models) stepped inside the step function are refused."""
 
 from __future__ import annotations
 
 import io
 import math
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -266,3 +268,48 @@ def test_plateau_and_schedulers_built_inside_run_are_refused(
     for loss in (1.0, 2.0):
         plateau.step(loss)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.01)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_an_averaged_model_updated_inside_run_is_refused_and_after_run_is_one_devices(
+        strategies: dict[int, mirrored.MirroredStrategy], replicas: int) -> None:
+    """torch's EMA (``AveragedModel``) updated in the step function: each replica
+    would update it, N updates a step; after ``run`` it averages as on one device."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    data = batches((3,))
+    reference = mlp()
+    ref_optimizer = OPTIMIZERS["sgd"](reference.parameters())
+    ref_ema = AveragedModel(reference, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    strategy = strategies[replicas]
+    model = mirror(strategy, mlp())
+    optimizer = mirror_optimizer(strategy, model, OPTIMIZERS["sgd"])
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+
+    def step(x: torch.Tensor, y: torch.Tensor, update: bool) -> None:
+        mirrored.compute_average_loss(per_example_loss(model(x), y)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if update:
+            ema.update_parameters(model)
+
+    def args(x: torch.Tensor, y: torch.Tensor, update: bool) -> tuple[Any, ...]:
+        return (mirrored.PerReplica(split(x, replicas)), mirrored.PerReplica(split(y, replicas)),
+                update)
+
+    with pytest.raises(RuntimeError, match=r"^AveragedModel.update_parameters\(model\) .* "
+                                           r"inside strategy.run: every replica would update"):
+        strategy.run(step, args=args(*data[0], True))
+    assert int(ema.n_averaged) == 0
+    train_reference(reference, ref_optimizer, data[:1], 1)  # (the refused run's step)
+    for x, y in data[1:]:
+        strategy.run(step, args=args(x, y, False))
+        ema.update_parameters(model)  # after run: replica 0's copy, once a step
+        per_example_loss(reference(x), y).mean().backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        ref_ema.update_parameters(reference)
+    assert int(ema.n_averaged) == len(data) - 1
+    for a, b in zip(ema.parameters(), ref_ema.parameters(), strict=True):
+        torch.testing.assert_close(a, b)

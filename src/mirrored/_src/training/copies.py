@@ -17,6 +17,7 @@ submodules, so ``parameters()`` yields one model's parameters, once.
 from __future__ import annotations
 
 import copy
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -25,9 +26,25 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..context import current_replica_context
 from .structure import CHANGES, LAYOUT
 
 __all__ = ["CopiesModule", "Handles"]
+
+_AVERAGING = "torch.optim.swa_utils"  # AveragedModel (EMA, SWA) reads parameters() from here
+
+
+def _refuse_averaging(replicas: int) -> None:
+    if current_replica_context() is not None:
+        times = f"{replicas} updates" if replicas > 1 else "N updates on N replicas"
+        raise RuntimeError(
+            "AveragedModel.update_parameters(model) (torch.optim.swa_utils: an EMA or SWA "
+            "average) was called with the mirrored model inside strategy.run: every replica "
+            f"would update the one averaged model, {times} per training step (at once, on "
+            "the replicas' threads), where one device updates it once. Call it after "
+            "strategy.run returns: outside run the mirrored model reads as replica 0's "
+            "copy, which every copy equals after the step (refused on one replica too, so "
+            "that the step runs on N)")
 
 
 class Handles(RemovableHandle):
@@ -142,7 +159,11 @@ class CopiesModule(nn.Module):
                 c.training = mode
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        """The current copy's parameters (one model's, once)."""
+        """The current copy's parameters (one model's, once). Inside ``run``, read by
+        ``torch.optim.swa_utils`` (``AveragedModel.update_parameters``): refused, as
+        every replica would update the one averaged model."""
+        if sys._getframe(1).f_globals.get("__name__") == _AVERAGING:
+            _refuse_averaging(len(self._copies))
         return self._exposed().parameters(recurse)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,

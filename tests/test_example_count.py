@@ -186,7 +186,8 @@ def test_workers_whose_batches_differ_raise_before_the_step():
     expected = reference([global_batch(0), global_batch(1)])
     for result in results:
         assert result["error"].startswith("CollectiveMismatchError"), result["error"]
-        assert "MirroredOptimizer.step(mirrored optimizer #1: SUM of" in result["error"]
+        assert ("MirroredOptimizer.step(the optimizer of mirrored model #1: SUM of"
+                in result["error"])
         assert "batches of experimental_distribute_dataset of different sizes" in result["error"]
         assert result["counted"] == 0
         _assert_close(result["state"], expected)  # the last step was not applied

@@ -195,7 +195,8 @@ def test_two_optimizers_met_by_different_replicas_are_a_mismatch() -> None:
         with pytest.raises(mirrored.CollectiveMismatchError) as raised:
             strategy.run(step)
         for number in (1, 2):
-            assert f"MirroredOptimizer.step (mirrored optimizer #{number})" in str(raised.value)
+            label = f"MirroredOptimizer.step (the optimizer of mirrored model #{number})"
+            assert label in str(raised.value)
     finally:
         strategy.close()
 

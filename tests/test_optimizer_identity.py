@@ -70,8 +70,8 @@ def test_replicas_stepping_different_optimizers_raise_naming_both(
         with pytest.raises(mirrored.CollectiveMismatchError) as raised:
             strategy.run(step)
         message = str(raised.value)
-        assert "MirroredOptimizer.step (mirrored optimizer #1)" in message
-        assert "MirroredOptimizer.step (mirrored optimizer #2)" in message
+        assert "MirroredOptimizer.step (the optimizer of mirrored model #1)" in message
+        assert "MirroredOptimizer.step (the optimizer of mirrored model #2)" in message
         for model, params in zip(models, before, strict=True):  # no step was applied
             assert all(torch.equal(a, b) for a, b in zip(_params(model), params, strict=True))
     finally:
@@ -143,8 +143,8 @@ def test_workers_stepping_different_optimizers_raise_naming_both(
                                                  args=(local, check, bucket_bytes), timeout=110)
     for result in results:
         assert result["buckets"] == [bucket_bytes == 4096] * 2
-        assert "mirrored optimizer #1" in result["error"], result["error"]
-        assert "mirrored optimizer #2" in result["error"], result["error"]
+        assert "the optimizer of mirrored model #1" in result["error"], result["error"]
+        assert "the optimizer of mirrored model #2" in result["error"], result["error"]
         assert result["unchanged"] == [True, True]
 
 
@@ -188,20 +188,58 @@ def test_a_step_running_another_replicas_copy_is_refused_naming_the_cause(
 
 @pytest.mark.timeout(60)
 def test_each_replica_calling_the_mirrored_model_is_not_a_crossing() -> None:
-    """Nested mirrored modules, submodules reached through the mirrored model and a
-    second backward: each replica reaches only its own copy."""
+    """Submodules reached through the mirrored model, a second backward, sync
+    BatchNorm's backward all-reduce, activation checkpointing and a GradScaler: each
+    replica's backward reaches only its own copy."""
     strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
     try:
-        model = strategy.mirror(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)))
+        model = strategy.mirror(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8),
+                                              nn.Linear(8, 2)), sync_batch_norm=True)
         opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+        scaler = torch.amp.GradScaler("cpu")
 
         def step(x: torch.Tensor) -> None:
-            mirrored.compute_average_loss(model[1](model[0](x)).sum(1)).backward()
-            mirrored.compute_average_loss(model(x).sum(1)).backward()
-            opt.step()
+            h = torch.utils.checkpoint.checkpoint(model[0], x, use_reentrant=False)
+            mirrored.compute_average_loss(model[2](model[1](h)).sum(1)).backward()
+            scaler.scale(mirrored.compute_average_loss(model(x).sum(1))).backward()
+            scaler.step(opt)
+            scaler.update()
 
         for _ in range(3):
-            strategy.run(step, args=(torch.ones(2, 8),))
+            strategy.run(step, args=(torch.randn(2, 8),))
         assert opt._reducer._watch.crossed == [None]  # type: ignore[attr-defined]
     finally:
         strategy.close()
+
+
+def _extra_optimizer_on_worker_0() -> list[float]:
+    strategy = mirrored.MultiWorkerMirroredStrategy(
+        communication_options=CommunicationOptions(timeout_seconds=30), devices=["CPU:0"])
+    try:
+        torch.manual_seed(0)
+        model = strategy.mirror(nn.Linear(4, 1))
+        if strategy.cluster_resolver.task_id == 0:  # built here only, never stepped
+            strategy.mirror_optimizer(model, lambda p: torch.optim.Adam(p))
+        opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=1.0))
+
+        def step(x: torch.Tensor) -> None:
+            mirrored.compute_average_loss(model(x).sum(1)).backward()
+            opt.step()
+
+        worker = strategy.cluster_resolver.task_id
+        strategy.run(step, args=(torch.full((1, 4), float(worker + 1)),))
+        return model.weight.detach().flatten().tolist()
+    finally:
+        strategy.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_an_optimizer_built_on_one_worker_only_shifts_no_number() -> None:
+    """The numbers are the models' (mirrored in one order on every worker, as
+    ``mirror`` is a collective), so a worker's own extra optimizer is no mismatch."""
+    results = mirrored.testing.run_multi_process(_extra_optimizer_on_worker_0, 2, timeout=110)
+    torch.manual_seed(0)
+    expected = nn.Linear(4, 1).weight.detach().flatten() - 1.5  # the mean of x: 1 and 2
+    for weights in results:
+        torch.testing.assert_close(torch.tensor(weights), expected)

@@ -217,6 +217,9 @@ SCHEDULERS = {
     "sequential": lambda opt: torch.optim.lr_scheduler.SequentialLR(opt, [
         torch.optim.lr_scheduler.LinearLR(opt, 0.5, total_iters=2),
         torch.optim.lr_scheduler.ExponentialLR(opt, 0.9)], milestones=[2]),
+    "chained": lambda opt: torch.optim.lr_scheduler.ChainedScheduler([
+        torch.optim.lr_scheduler.ConstantLR(opt, 0.5, total_iters=2),
+        torch.optim.lr_scheduler.ExponentialLR(opt, 0.9)]),
 }
 
 
@@ -231,7 +234,7 @@ def test_a_scheduler_stepped_inside_run_is_refused(
     model = mirror(strategy, mlp())
     optimizer = mirror_optimizer(strategy, model, OPTIMIZERS["sgd"])
     scheduler = SCHEDULERS[name](optimizer)
-    epoch, lr = scheduler.last_epoch, optimizer.param_groups[0]["lr"]  # (replica 0's: all's)
+    lr = optimizer.param_groups[0]["lr"]  # (replica 0's: every replica takes it at step)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         mirrored.compute_average_loss(per_example_loss(model(x), y)).backward()
@@ -241,14 +244,13 @@ def test_a_scheduler_stepped_inside_run_is_refused(
 
     x, y = batches((3,))[0]
     times = f"{replicas} times per training step" if replicas > 1 else "N times per training"
-    owner = "(LinearLR|ExponentialLR)" if name == "sequential" else type(scheduler).__name__
+    owner = type(scheduler).__name__  # (SequentialLR: itself, not the child it steps)
     with pytest.raises(RuntimeError, match=rf"^{owner} was stepped \(or built\) inside "
                                            rf"strategy.run: .* advance {times}"):
         strategy.run(step, args=(mirrored.PerReplica(split(x, replicas)),
                                  mirrored.PerReplica(split(y, replicas))))
     # The learning rate did not move (the schedule's count did, once per replica).
     assert [o.param_groups[0]["lr"] for o in optimizer.optimizers] == [lr] * replicas
-    assert scheduler.last_epoch <= epoch + replicas
 
 
 @pytest.mark.timeout(60)

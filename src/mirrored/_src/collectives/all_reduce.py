@@ -179,12 +179,13 @@ class _AllReduceFunction(torch.autograd.Function):
             ties = [m.sum(dim=d, dtype=m.dtype) if d else m
                     for m, d in zip(masks, dims, strict=True)]
             summed = gradient_all_reduce(job.parts, job.index, job.options, job.site,
-                                         f"gradient of {job.title}", [*upstream, *ties])
+                                         f"gradient of {job.title}", [*upstream, *ties],
+                                         job.label)
             return (None, None, *(_expand(g / t.clamp(min=1), d, shape) * m
                                   for g, t, d, shape, m in zip(summed[:n_in], summed[n_in:], dims,
                                                                ctx.shapes, masks, strict=True)))
         total = gradient_all_reduce(job.parts, job.index, job.options, job.site,
-                                    f"gradient of {job.title}", upstream)
+                                    f"gradient of {job.title}", upstream, job.label)
         result = []
         for k in range(n_in):
             g = total[k]
@@ -211,10 +212,12 @@ def _expand(g: torch.Tensor, dims: Sequence[int], shape: torch.Size) -> torch.Te
 
 
 def gradient_all_reduce(parts: Parts, index: int, options: CommunicationOptions, site: str,
-                        title: str, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The SUM all-reduce of a backward pass (itself a collective of every replica)."""
+                        title: str, grads: list[torch.Tensor], label: str = ""
+                        ) -> list[torch.Tensor]:
+    """The SUM all-reduce of a backward pass (itself a collective of every replica;
+    ``label``: the forward call's, see `all_reduce`)."""
     refuse_in_merge_fn(parts, title, site)
-    job = AllReduce(parts, index, ReduceOp.SUM, None, options, title, site, grads)
+    job = AllReduce(parts, index, ReduceOp.SUM, None, options, title, site, grads, label)
     return job.forward(grads, pytree.flatten(grads)[1])
 
 

@@ -32,8 +32,9 @@ class StepControl(Protocol):
         distributed dataset before a batch is split."""
         ...
 
-    def commit(self) -> bool:
-        """Ends the step: whether every live worker may apply its optimizer step."""
+    def commit(self, model: int = 0) -> bool:
+        """Ends the step: whether every live worker may apply its optimizer step
+        (``model``: the number of the mirrored model it steps, the same on every one)."""
         ...
 
     def track(self, obj: Any) -> None:
@@ -101,9 +102,9 @@ class Parts:
     (several workers only; ``None``: none, ``compute_average_loss`` counts);
     ``count_calls[i]``: local replica ``i``'s ``compute_average_loss`` calls without a
     size in the current run (several workers: reset when a run starts).
-    ``optimizers[0]``: the mirrored optimizers built on this strategy so far; each
-    takes the next number, which names its steps' calls (every worker builds them in
-    the same order, so the numbers agree across workers).
+    ``models[0]``: the modules mirrored on this strategy so far; each takes the next
+    number, which names its optimizers' step calls (every worker mirrors them in the
+    same order: ``mirror`` starts each from the chief's values, a collective).
     """
 
     strategy_ref: weakref.ReferenceType[Any]
@@ -118,7 +119,7 @@ class Parts:
     copies_checked: list[int] = dataclasses.field(init=False)
     step_examples: list[Any] = dataclasses.field(init=False)
     count_calls: list[int] = dataclasses.field(init=False)
-    optimizers: list[int] = dataclasses.field(init=False)
+    models: list[int] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "loss_divisors", [0] * self.topology.num_local_replicas)
@@ -126,7 +127,12 @@ class Parts:
         object.__setattr__(self, "copies_checked", [0])
         object.__setattr__(self, "step_examples", [None])
         object.__setattr__(self, "count_calls", [0] * self.topology.num_local_replicas)
-        object.__setattr__(self, "optimizers", [0])
+        object.__setattr__(self, "models", [0])
+
+    def next_model(self) -> int:
+        """The number of a module mirrored now (`models`)."""
+        self.models[0] += 1
+        return self.models[0]
 
     @property
     def strategy(self) -> Any:

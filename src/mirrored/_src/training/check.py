@@ -139,13 +139,15 @@ class GradientWatch:
 
     ``known`` (the mirrored module's replica contexts -> local index): the hooks also
     note a replica whose backward reaches another replica's copy (``crossed[0]``:
-    ``(running replica, copy)``), i.e. a step that ran the original module or
-    ``model.replicas[i]`` instead of the mirrored model."""
+    ``(running replica, copy)``, local indices; ``ids``: their replica ids, for
+    messages), i.e. a step that ran the original module or ``model.replicas[i]``
+    instead of the mirrored model."""
 
     def __init__(self, params: Sequence[Sequence[nn.Parameter]], check: Check = "full",
-                 known: dict[Any, int] | None = None) -> None:
+                 known: dict[Any, int] | None = None, ids: Sequence[int] = ()) -> None:
         self._params = params
         self._known = known
+        self._ids = tuple(ids) or tuple(range(len(params)))  # local index -> replica id
         self.crossed: list[tuple[int, int] | None] = [None]
         self._none: list[list[tuple[torch.Tensor, int] | None]] = [[None] * len(p)
                                                                    for p in params]
@@ -209,7 +211,8 @@ class GradientWatch:
         """
         if self.crossed[0] is not None:
             (running, copy), self.crossed[0] = self.crossed[0], None
-            raise ReplicaDivergenceError(crossed_message(running, copy))
+            self._forget()
+            raise ReplicaDivergenceError(crossed_message(self._ids[running], self._ids[copy]))
         if not self.fresh[r]:
             return []
         out = []
@@ -217,7 +220,13 @@ class GradientWatch:
             g = p.grad
             if s is not None and g is not None and (g is not s[0] or g._version != s[1]):
                 out.append(k)
+        if out:  # (the caller refuses the step: a later zero_grad() discards nothing)
+            self._forget()
         return out
+
+    def _forget(self) -> None:
+        for i in range(len(self.fresh)):
+            self.clear(i)
 
     def clear(self, r: int) -> None:
         """Forgets replica ``r``'s records (its gradients were all-reduced). The records

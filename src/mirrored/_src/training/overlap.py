@@ -165,7 +165,8 @@ class GradientBuckets:
             communicator (in-process replicas).
         devices: the local replicas' devices (destinations of the sums).
         bucket_bytes: the most bytes of gradients per bucket.
-        label: the optimizer (``"mirrored optimizer #1"``), which the workers' calls name.
+        label: the optimizer (``"the optimizer of mirrored model #1"``), which the
+            workers' calls name.
     """
 
     def __init__(self, params: tuple[list[nn.Parameter], ...], comm: Any,

@@ -123,9 +123,10 @@ def refuse_scheduler(replicas: int) -> None:
     frame: FrameType | None = sys._getframe(2)
     if frame is None or frame.f_globals.get("__name__") not in SCHEDULERS:
         return
-    owner = None  # (the scheduler: the first `self` up the scheduler module's frames)
-    while owner is None and frame is not None and frame.f_globals.get("__name__") in SCHEDULERS:
-        owner, frame = frame.f_locals.get("self"), frame.f_back
+    owner = None  # (the scheduler stepped: the outermost `self` of the module's frames, so
+    # SequentialLR, not the child it steps)
+    while frame is not None and frame.f_globals.get("__name__") in SCHEDULERS:
+        owner, frame = frame.f_locals.get("self", owner), frame.f_back
     name = type(owner).__name__ if owner is not None else "an LR scheduler"
     times = (f"{replicas} times per training step (this process's {replicas} replicas)"
              if replicas > 1 else "N times per training step on N replicas in a process "

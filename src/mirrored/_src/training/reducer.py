@@ -74,10 +74,9 @@ class GradientReducer:
         self._params = params
         self._check: Check = check
         self._steps = None if self._parts.cluster is None else self._parts.cluster.steps
-        # The step's calls name this optimizer: two optimizers' steps met by different
-        # replicas or workers are a CollectiveMismatchError, not one sum of both.
-        self._parts.optimizers[0] += 1
-        self.number = f"mirrored optimizer #{self._parts.optimizers[0]}"
+        self.model = module._number  # the step's calls name the model: two models' steps met
+        # by different replicas or workers are a CollectiveMismatchError, not one sum
+        self.number = f"the optimizer of mirrored model #{self.model}"
         self.label = f"MirroredOptimizer.step ({self.number})"
         self.committed = [True] * local  # elastic: the last all-reduce's step was committed
         if self._steps is not None and overlap:
@@ -90,7 +89,8 @@ class GradientReducer:
         if self._steps is not None:  # elastic: replica 0's worker may be missing
             self._sync[0].refuse_from_first(buffers)
         # On one replica too: the same step raises on 1 replica as on N.
-        self._watch = GradientWatch(params, known=module._known) if check != "off" else None
+        self._watch = GradientWatch(params, known=module._known, ids=self._parts.topology
+                                    .replica_ids) if check != "off" else None
         self.reduced = [False] * local  # the replica's gradients are all-reduced already
         self.seq = [0] * local  # all-reduces made by each replica (equal on every one)
         first = params[0][0]
@@ -339,7 +339,7 @@ class GradientReducer:
         doubled = (presence > 1).nonzero().flatten().tolist()
 
         def vote(payloads: Sequence[None]) -> list[bool]:
-            return [steps.commit()] * len(payloads)
+            return [steps.commit(self.model)] * len(payloads)
 
         call = CallSpec("MirroredOptimizer.step", "the commit vote", ("commit",))
         committed = self._parts.runtime.exchange(r, Arrival(call, None, vote),

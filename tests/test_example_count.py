@@ -82,6 +82,10 @@ def _train(local: int, source: str, loss_kind: str = "rows", checked: bool = Tru
         batches = batches[:-1] if worker == 1 else batches
     elif source == "other sizes":  # worker 1's last batch has other rows than worker 0's
         batches = [*batches[:-1], global_batch(2, 7)] if worker == 1 else batches
+    elif source == "shuffled" and worker == 1:  # the same sizes, rows in another order
+        batches = [(x.flip(0), y.flip(0)) for x, y in batches]
+    elif source == "nan":  # the same batches on both, with a NaN (bit patterns compared)
+        batches = [(x.index_fill(0, torch.tensor([0]), float("nan")), y) for x, y in batches]
     data = batches if source in ("list", "other sizes") else (b for b in batches)
     error = ""
     try:
@@ -148,7 +152,7 @@ def test_some_replicas_counting_raise_instead_of_dividing_wrong(local):
     for result in results:
         assert result["error"].startswith("CollectiveMismatchError"), result["error"]
         assert "pass global_batch_size" in result["error"]
-        assert "batch counts taken" not in result["error"]  # (the same on every worker)
+        assert "batches taken" not in result["error"]  # (the same on every worker)
         assert result["state"] == before
     # One explanation each: the hint for the workers that did not count, the rows for
     # the one that did.
@@ -360,3 +364,25 @@ def test_passes_after_the_first_send_no_zeros_and_one_header_round_at_each_start
         header = 1 + (2 if reduces else 0)
         assert [c["header"] for c in result["per_pass"][1:]] == [header] * 2, result
     assert results[0]["losses"] == results[1]["losses"]
+
+
+@pytest.mark.timeout(120)
+def test_workers_whose_batches_differ_in_content_raise_before_the_step():
+    # Worker 1's source yields the same global batches in another row order (a shuffle
+    # seeded differently): each worker would keep its rows of a different batch. A
+    # sample of each global batch's elements rides in every later call's identity.
+    results = mirrored.testing.run_multi_process(_train, 2, args=(1, "shuffled"), timeout=110)
+    torch.manual_seed(0)
+    expected = model_fn().state_dict()  # no step applied
+    for result in results:
+        assert result["error"].startswith("CollectiveMismatchError"), result["error"]
+        assert "or contents (a sample of their elements differs)" in result["error"]
+        assert "shuffled with another seed on each worker" in result["error"]
+        _assert_close(result["state"], expected)
+
+
+@pytest.mark.timeout(120)
+def test_the_same_batches_with_a_nan_are_no_mismatch():
+    # The digest hashes bit patterns: a NaN (whose Python hash is per object) is alike.
+    for result in mirrored.testing.run_multi_process(_train, 2, args=(1, "nan"), timeout=110):
+        assert result["error"] == "", result["error"]

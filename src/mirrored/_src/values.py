@@ -130,15 +130,18 @@ class StepExamples(NamedTuple):
     (every worker splits the same global batch, so each knows them all): ``total``, the
     global batch's rows, and ``sizes``, each local replica's. ``compute_average_loss``
     divides by ``total`` without counting when a replica's per-example loss has its
-    batch's rows (see `loss.compute_average_loss`).
+    batch's rows (see `loss.compute_average_loss`). ``digest``: a hash of a sample of
+    the global batch's elements (`data.steps.sample_digest`), equal on workers given
+    the same batch.
 
     Example:
         >>> StepExamples(total=7, sizes=(4,))
-        StepExamples(total=7, sizes=(4,))
+        StepExamples(total=7, sizes=(4,), digest=0)
     """
 
     total: int
     sizes: tuple[int, ...]
+    digest: int = 0
 
 
 @final

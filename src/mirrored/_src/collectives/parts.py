@@ -68,10 +68,11 @@ class Cluster:
             for a fixed job.
         count_examples: whether ``experimental_distribute_dataset`` tags its steps'
             batches with their example counts (a fixed job whose calls are checked).
-        took_examples: called with the global count of each run's tagged batch (folded
-            into the identity of every later call: workers whose batches differ in size,
-            whose ``compute_average_loss`` would divide by different counts, disagree at
-            their next collective).
+        took_examples: called with the global count of each run's tagged batch and a
+            digest of its elements (folded into the identity of every later call:
+            workers whose batches differ in size, whose ``compute_average_loss`` would
+            divide by different counts, or in content, disagree at their next
+            collective).
     """
 
     resolver: Any
@@ -81,7 +82,7 @@ class Cluster:
     next_phase: Callable[[], None] = lambda: None
     steps: StepControl | None = None
     count_examples: bool = False
-    took_examples: Callable[[int], None] = lambda total: None
+    took_examples: Callable[[int, int], None] = lambda total, digest: None
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -190,14 +190,15 @@ class CallLedger:
         self._ending = -1
         self._quiet = False
         # The global example counts of the batches runs were given (which
-        # compute_average_loss may take), folded into one number that every later call's
-        # identity carries: workers whose batches had other sizes disagree at their next
-        # collective.
+        # compute_average_loss may take), and digests of their elements, folded into one
+        # number that every later call's identity carries: workers whose batches had
+        # other sizes or contents disagree at their next collective.
         self.examples = 0
 
-    def took_examples(self, total: int) -> None:
-        """A run was given a batch whose global count is ``total``."""
-        self.examples = (self.examples * 1_000_003 + total + 1) % (1 << 61)
+    def took_examples(self, total: int, digest: int = 0) -> None:
+        """A run was given a batch whose global count is ``total`` (``digest``: a hash
+        of a sample of its elements, `data.steps.sample_digest`)."""
+        self.examples = (self.examples * 1_000_003 + total + 1 + digest) % (1 << 61)
 
     def next_phase(self) -> None:
         """A ``run`` starts or ends."""

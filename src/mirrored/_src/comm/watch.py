@@ -29,11 +29,13 @@ COUNT_HINT = ("a worker counted the step's examples for compute_average_loss wit
               "collective where the others took the count from their batches of "
               "experimental_distribute_dataset: its per-example loss had other rows than "
               "its batch; pass global_batch_size where that can happen on some replicas only")
-EXAMPLES = " [batch counts taken: "
+EXAMPLES = " [batches taken: "
 EXAMPLES_HINT = ("the workers' runs were given batches of experimental_distribute_dataset "
                  "of different sizes (compute_average_loss would divide by different "
-                 "counts): their sources differ, while every worker must iterate the same "
-                 "global batches (each keeps its replicas' rows)")
+                 "counts) or contents (a sample of their elements differs): their sources "
+                 "differ, e.g. shuffled with another seed on each worker, while every worker "
+                 "must iterate the same global batches (each keeps its replicas' rows; "
+                 "seed a shuffle alike on every worker)")
 
 
 def short(text: str, limit: int = 160) -> str:

@@ -64,7 +64,7 @@ def run(strategy: Any, parts: Parts, contexts: Sequence[Any], fn: Callable[..., 
     if parts.topology.num_workers > 1:
         examples = parts.step_examples[0] = step_examples(args, kwargs)
         if examples is not None and parts.cluster is not None:  # (later calls carry it)
-            parts.cluster.took_examples(examples.total)
+            parts.cluster.took_examples(examples.total, examples.digest)
         if any(counted := parts.count_calls):
             counted[:] = [0] * len(counted)
     call = context.replica_calls(strategy, contexts, fn, replica_args)

@@ -15,6 +15,7 @@ from torch import nn
 import mirrored
 from mirrored._src.collectives import all_reduce
 from mirrored._src.data.split import chunk_bounds
+from mirrored._src.data.steps import sample_digest
 from mirrored.experimental import CommunicationOptions
 
 pytestmark = pytest.mark.multiprocess
@@ -86,10 +87,13 @@ def _train(local: int, source: str, loss_kind: str = "rows", checked: bool = Tru
         batches = [(x.flip(0), y.flip(0)) for x, y in batches]
     elif source == "augmented" and worker == 1:  # the same examples, other input values
         batches = [(x + 0.01, y) for x, y in batches]
+    elif source.startswith("masked") and worker == 1:  # integer tensors randomized per worker
+        batches = [(x, (y + 1) % 3) for x, y in batches]
+    options = mirrored.InputOptions(experimental_compare_batches=source != "masked, allowed")
     data = batches if source in ("list", "other sizes") else (b for b in batches)
     error = ""
     try:
-        for x, y in strategy.experimental_distribute_dataset(data):
+        for x, y in strategy.experimental_distribute_dataset(data, options):
             strategy.run(step_fn, args=(x, y))
     except Exception as caught:  # (reported to the test)
         error = f"{type(caught).__name__}: {caught}"
@@ -376,7 +380,7 @@ def test_workers_whose_batches_differ_in_content_raise_before_the_step():
     expected = model_fn().state_dict()  # no step applied
     for result in results:
         assert result["error"].startswith("CollectiveMismatchError"), result["error"]
-        assert "or contents (a sample of their elements differs)" in result["error"]
+        assert "or contents (a sample of their integer tensors differs)" in result["error"]
         assert "shuffled with another seed on each worker" in result["error"]
         _assert_close(result["state"], expected)
 
@@ -387,3 +391,32 @@ def test_inputs_augmented_differently_on_each_worker_are_no_mismatch():
     for result in mirrored.testing.run_multi_process(_train, 2, args=(1, "augmented"),
                                                      timeout=110):
         assert result["error"] == "", result["error"]
+
+
+@pytest.mark.timeout(120)
+def test_integer_tensors_randomized_per_worker_raise_unless_allowed():
+    # Worker 1's labels differ (as a per-worker random masking of token ids would):
+    # refused by default, trained with InputOptions(experimental_compare_batches=False).
+    refused = mirrored.testing.run_multi_process(_train, 2, args=(1, "masked"), timeout=110)
+    assert all("experimental_compare_batches=False" in r["error"] for r in refused), refused
+    allowed = mirrored.testing.run_multi_process(_train, 2, args=(1, "masked, allowed"),
+                                                 timeout=110)
+    assert [r["error"] for r in allowed] == ["", ""]
+
+
+def test_the_digest_samples_off_the_row_grid_and_skips_uint8_and_bool():
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 1000, (16, 512), generator=g)  # every 512th: each row's first
+    assert sample_digest([tokens]) != sample_digest([tokens[torch.randperm(16, generator=g)]])
+    a, b = (torch.randint(0, 1000, (32, 512), generator=g) for _ in range(2))
+    assert sample_digest([a]) != sample_digest([b])
+    t = torch.randint(0, 9, (8, 8), generator=g).t()  # (a strided view: not copied)
+    assert sample_digest([t]) == sample_digest([t.contiguous()])
+    assert sample_digest([t]) != sample_digest([t.flip(0)])
+    assert sample_digest([torch.tensor(3)]) != sample_digest([torch.tensor(4)])
+    for dtype in (torch.uint8, torch.bool, torch.float32):  # images, masks, inputs
+        assert sample_digest([torch.zeros(4, dtype=dtype)]) == sample_digest(
+            [torch.ones(4, dtype=dtype)])
+    assert sample_digest([torch.zeros(4)]) != sample_digest([torch.zeros(5)])  # shapes count
+    with pytest.raises(TypeError, match="experimental_compare_batches must be a bool"):
+        mirrored.InputOptions(experimental_compare_batches="no")

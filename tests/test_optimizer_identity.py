@@ -243,3 +243,33 @@ def test_an_optimizer_built_on_one_worker_only_shifts_no_number() -> None:
     expected = nn.Linear(4, 1).weight.detach().flatten() - 1.5  # the mean of x: 1 and 2
     for weights in results:
         torch.testing.assert_close(torch.tensor(weights), expected)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_two_optimizers_of_one_model_over_other_parameters_raise_naming_both(
+        replicas: int) -> None:
+    """One model, one optimizer per layer: a replica stepping the first layer's while
+    another steps the second's would sum one layer's gradients into the other's."""
+    width = 40 if replicas == 2 else 400
+    strategy = mirrored.MirroredStrategy([f"CPU:{i}" for i in range(replicas)])
+    try:
+        model = strategy.mirror(nn.Sequential(nn.Linear(width, width), nn.Linear(width, width)))
+        opts = [strategy.mirror_optimizer(model, lambda p, k=k: torch.optim.SGD(
+            list(p)[2 * k:2 * k + 2], lr=0.1), check="off") for k in range(2)]
+        before = _params(model)
+
+        def step() -> None:
+            r = mirrored.get_replica_context().replica_id_in_sync_group
+            loss = model(torch.ones(2, width)).sum(1)
+            mirrored.compute_average_loss(loss, global_batch_size=4).backward()
+            opts[min(r, 1)].step()
+
+        with pytest.raises(mirrored.CollectiveMismatchError) as raised:
+            strategy.run(step)
+        for part in ("0-1", "2-3"):
+            assert (f"MirroredOptimizer.step (the optimizer of mirrored model #1, parameters "
+                    f"{part})") in str(raised.value)
+        assert all(torch.equal(a, b) for a, b in zip(_params(model), before, strict=True))
+    finally:
+        strategy.close()

@@ -32,9 +32,8 @@ class StepControl(Protocol):
         distributed dataset before a batch is split."""
         ...
 
-    def commit(self, model: int = 0) -> bool:
-        """Ends the step: whether every live worker may apply its optimizer step
-        (``model``: the number of the mirrored model it steps, the same on every one)."""
+    def commit(self) -> bool:
+        """Ends the step: whether every live worker may apply its optimizer step."""
         ...
 
     def track(self, obj: Any) -> None:
@@ -104,8 +103,9 @@ class Parts:
     ``count_calls[i]``: local replica ``i``'s ``compute_average_loss`` calls without a
     size in the current run (several workers: reset when a run starts).
     ``models[0]``: the modules mirrored on this strategy so far; each takes the next
-    number, which names its optimizers' step calls (every worker mirrors them in the
-    same order: ``mirror`` starts each from the chief's values, a collective).
+    number, which names its optimizers' step calls (a fixed job's workers mirror them
+    in the same order: ``mirror`` starts each from the chief's values, a collective;
+    an elastic job's do not, and its steps carry no call identity).
     """
 
     strategy_ref: weakref.ReferenceType[Any]

@@ -32,10 +32,12 @@ COUNT_HINT = ("a worker counted the step's examples for compute_average_loss wit
 EXAMPLES = " [batches taken: "
 EXAMPLES_HINT = ("the workers' runs were given batches of experimental_distribute_dataset "
                  "of different sizes (compute_average_loss would divide by different "
-                 "counts) or contents (a sample of their elements differs): their sources "
-                 "differ, e.g. shuffled with another seed on each worker, while every worker "
-                 "must iterate the same global batches (each keeps its replicas' rows; "
-                 "seed a shuffle alike on every worker)")
+                 "counts) or contents (a sample of their integer tensors differs): their "
+                 "sources differ, e.g. shuffled with another seed on each worker, while every "
+                 "worker must iterate the same global batches (each keeps its replicas' rows; "
+                 "seed a shuffle alike on every worker). A source that randomizes integer "
+                 "tensors on each worker by design (masked token ids) while yielding the "
+                 "same examples: InputOptions(experimental_compare_batches=False)")
 
 
 def short(text: str, limit: int = 160) -> str:

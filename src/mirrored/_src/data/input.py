@@ -130,6 +130,14 @@ class InputOptions:
             caller's thread when it is asked for, with no background thread. Default
             (``None``): 2 when steps are copied to CUDA devices (the copy overlaps the
             step), else 0 (on CPU a prefetch thread only competes for the GIL).
+        experimental_compare_batches: across workers (with checked calls), a sample of
+            each global batch's integer tensors (labels, token ids; not uint8 or bool)
+            rides in every later collective's identity, so workers whose sources yield
+            other examples (a shuffle seeded differently on each) raise
+            ``CollectiveMismatchError`` before any data of that step is used. Set it to
+            ``False`` for a source that randomizes integer tensors on each worker by
+            design (masking token ids) while every worker iterates the same examples.
+            Not in TF. Default ``True``.
 
     Raises:
         TypeError: a flag that is not a bool, a size or depth that is not an int.
@@ -150,9 +158,11 @@ class InputOptions:
     experimental_place_dataset_on_device: bool = False
     experimental_per_replica_buffer_size: int = 1
     experimental_prefetch_depth: int | None = None
+    experimental_compare_batches: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("experimental_fetch_to_device", "experimental_place_dataset_on_device"):
+        for name in ("experimental_fetch_to_device", "experimental_place_dataset_on_device",
+                     "experimental_compare_batches"):
             flag = getattr(self, name)
             if not isinstance(flag, bool):
                 raise TypeError(f"InputOptions.{name} must be a bool; got "

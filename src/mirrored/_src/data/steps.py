@@ -6,12 +6,14 @@ process, as TF)."""
 from __future__ import annotations
 
 import functools
+import math
 import zlib
 from collections.abc import Generator, Iterable, Sequence
 from itertools import repeat
 from operator import attrgetter, is_
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import pytree
@@ -88,9 +90,11 @@ def _as_is(batch: Any, device: torch.device | None) -> bool:
 
 
 def global_batch_steps(source: Iterable[Any], topology: Topology,
-                        fetch: bool, tag: bool = False) -> Generator[Any, None, None]:
+                        fetch: bool, tag: bool = False, digest: bool = True
+                        ) -> Generator[Any, None, None]:
     """The steps of `DistributedDataset`; with ``tag`` (several workers) each step's
-    `PerReplica` batches carry its `StepExamples`."""
+    `PerReplica` batches carry its `StepExamples`, with ``digest`` of its elements
+    (`sample_digest`)."""
     n, ids = topology.num_replicas_in_sync, topology.replica_ids
     devices = topology.torch_devices if fetch and not topology.follows_caller else None
     device = None if devices is None else devices[0]
@@ -126,7 +130,7 @@ def global_batch_steps(source: Iterable[Any], topology: Topology,
                     chunk_bounds(batch_size, n, n - 1)[0] < batch_size) else None  # (the
                 # last replica's chunk is the smallest)
             examples = tags[batch_size] if tag else None
-            if examples is not None:  # (this step's own: the same on every worker)
+            if examples is not None and digest:  # (this step's own: alike on every worker)
                 examples = StepExamples(examples.total, examples.sizes, sample_digest(leaves))
             yield pack_step(spec, split_leaves(leaves, batch_size, n, ids), topology, devices,
                         examples)
@@ -135,15 +139,22 @@ def global_batch_steps(source: Iterable[Any], topology: Topology,
 
 
 _SAMPLES = 16  # elements sampled per tensor by `sample_digest`
+# Fractions of the golden ratio's multiples: 16 positions spread over a tensor and off
+# any row grid (every numel // 16-th element of a [16, L] batch is each row's first).
+_SPREAD = (np.arange(_SAMPLES) * 0.6180339887498949) % 1.0
+# Not sampled: floating tensors, uint8 (images) and bool (masks), which a random
+# augmentation or masking may change on each worker while the examples are the same.
+_SKIP = frozenset({torch.uint8, torch.bool})
 
 
 def sample_digest(leaves: Sequence[Any]) -> int:
-    """A hash of up to 16 evenly spaced elements of each contiguous integer or bool
-    host tensor of a global batch (labels, token ids), with its shape, and of every
-    other leaf's type: workers whose sources yield the same examples in another order
-    (a shuffle seeded differently on each) get other digests, almost surely. Floating
-    tensors (inputs a random augmentation may change on each worker, which is no
-    error) count by their shape only. A few µs a tensor (NumPy views, no copy).
+    """A hash of 16 elements, at spread positions, of each integer host tensor of a
+    global batch (labels, token ids; not uint8 or bool), with every tensor's shape and
+    every other leaf's type: workers whose sources yield the same examples in another
+    order (a shuffle seeded differently on each) get other digests, almost surely.
+    Floating, uint8 and bool tensors (inputs an augmentation or masking may change on
+    each worker, which is no error) count by their shape only. A few µs a tensor
+    (NumPy views, no copy of the batch).
 
     Example:
         >>> sample_digest([torch.arange(4)]) == sample_digest([torch.arange(4)])
@@ -155,17 +166,25 @@ def sample_digest(leaves: Sequence[Any]) -> int:
     """
     crc, shapes = 0, []
     for t in leaves:
-        if type(t) is not torch.Tensor:
+        if not isinstance(t, torch.Tensor):
             crc = zlib.crc32(type(t).__name__.encode(), crc)
             continue
         shapes.append(tuple(t.shape))
-        if t.is_floating_point() or t.is_complex() or not t.is_cpu or not t.is_contiguous():
+        if (t.is_floating_point() or t.is_complex() or t.dtype in _SKIP or not t.is_cpu
+                or not t.numel()):
             continue
         try:
-            flat = t.numpy().reshape(-1)
+            array = t.numpy()  # (a view, strided as the tensor)
         except (TypeError, RuntimeError):  # (no NumPy view: a quantized tensor, say)
             continue
-        step = max(1, flat.size // _SAMPLES)
-        crc = zlib.crc32(flat[:step * _SAMPLES:step].tobytes(),
+        sample = array[_positions(array.shape)] if array.ndim else array
+        crc = zlib.crc32(np.ascontiguousarray(sample).tobytes(),
                          zlib.crc32(str(t.dtype).encode(), crc))
     return hash((crc, *shapes))  # (of ints only: a str's or bytes' hash is per process)
+
+
+@functools.lru_cache(maxsize=64)
+def _positions(shape: tuple[int, ...]) -> tuple[Any, ...]:
+    """`sample_digest`'s sampled positions in an array of ``shape`` (a step's batches
+    repeat their shapes)."""
+    return np.unravel_index((_SPREAD * math.prod(shape)).astype(np.int64), shape)

@@ -119,10 +119,8 @@ class ElasticSession:
             self.begin()
         self._manager.allreduce(tensor, reduce_op=_OPS[op]).wait()
 
-    def commit(self, model: int = 0) -> bool:
-        """The step's vote: whether every worker of the step applies its update
-        (``model``: the number of the mirrored model whose optimizer steps; workers
-        stepping different models' optimizers do not commit).
+    def commit(self) -> bool:
+        """The step's vote: whether every worker of the step applies its update.
 
         Raises:
             RuntimeError: no step is open (a second optimizer step in one step).
@@ -132,12 +130,11 @@ class ElasticSession:
                 "an elastic step has one optimizer step: this one was already voted on. "
                 "Begin the next step with the next batch of the distributed dataset or the "
                 "next strategy.run")
-        local = [self.step, self.element, self._quorum_id(), model]
+        local = [self.step, self.element, self._quorum_id()]
         check = torch.tensor([1, *(x for v in local for x in (v, v * v))], dtype=torch.int64)
         self._manager.allreduce(check, reduce_op=dist.ReduceOp.SUM).wait()
         if self._manager.errored() is None and (differ := agree(local, check.tolist())):
-            names = ", ".join(("step", "dataset element", "quorum",
-                               "mirrored model stepped")[k] for k in differ)
+            names = ", ".join(("step", "dataset element", "quorum")[k] for k in differ)
             self._manager.report_error(RuntimeError(f"the workers of the step differ in {names}"))
             _log.error("elastic: the workers of step %d differ in %s; not committed", local[0],
                        names)

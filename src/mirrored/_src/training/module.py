@@ -140,7 +140,7 @@ class MirroredModule(CopiesModule):
         n = len(copies)
         own["_known"] = {ctx: ctx.replica_id_in_sync_group % n
                          for ctx in getattr(strategy, "_contexts", ())}
-        own["_number"] = strategy._parts.next_model()  # (names its optimizers' steps)
+        own["_mirrored_number"] = strategy._parts.next_model()  # (names optimizers' steps)
         own["_copies"] = copies  # last: its presence marks the shell as built
 
     # ---------------------------------------------------- which copy code sees
@@ -283,7 +283,7 @@ _NEWOBJ = getattr(copyreg, "__newobj__")  # noqa: B009 (not in typeshed)
 _RECONSTRUCTOR = getattr(copyreg, "_reconstructor")  # noqa: B009
 # Attributes of the shell itself (assigned on it, never forwarded to the copies).
 _OWN = frozenset({"_strategy", "_devices", "_calls", "_sync_batch_norm",
-                  "_averaged", "_known", "_number", "_copies", "training"})
+                  "_averaged", "_known", "_mirrored_number", "_copies", "training"})
 
 
 def _skip_in_dynamo(code: Any) -> None:

@@ -18,7 +18,8 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
-from collections.abc import Iterable
+import zlib
+from collections.abc import Iterable, Sequence
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -26,7 +27,8 @@ import torch
 import torch.optim.optimizer as _torch_optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["GUARD", "SCHEDULERS", "forget", "refuse_scheduler", "register_copies", "trust"]
+__all__ = ["GUARD", "SCHEDULERS", "forget", "refuse_scheduler", "register_copies",
+           "subset_text", "trust"]
 
 T = TypeVar("T")
 _TRUSTED = "_mirrored_trusted"
@@ -137,3 +139,30 @@ def refuse_scheduler(replicas: int) -> None:
         "scheduler.step() after "
         "strategy.run returns, in the training loop (ReduceLROnPlateau: with a metric "
         "reduced by strategy.reduce), and build schedulers outside strategy.run")
+
+
+def subset_text(copy: torch.nn.Module, params: Sequence[torch.nn.Parameter]) -> str:
+    """How a mirrored optimizer's step names the part of ``copy`` it trains: ``""``
+    for every parameter, else ``", parameters 0-1, 4"`` (indices in
+    ``copy.parameters()`` order; 40 characters at most, then a count and a checksum):
+    two optimizers of one model over other parameters make other calls.
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.Linear(1, 1))
+        >>> subset_text(net, list(net.parameters())), subset_text(net, list(net[1].parameters()))
+        ('', ', parameters 2-3')
+    """
+    index = {id(p): k for k, p in enumerate(copy.parameters())}
+    ks = sorted(index.get(id(p), -1) for p in params)
+    if ks == list(range(len(index))):
+        return ""
+    spans: list[list[int]] = []
+    for k in ks:
+        if spans and k == spans[-1][1] + 1:
+            spans[-1][1] = k
+        else:
+            spans.append([k, k])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    if len(text) > 40:
+        text = f"{len(ks)} of {len(index)}, #{zlib.crc32(str(ks).encode()):08x}"
+    return f", parameters {text}"

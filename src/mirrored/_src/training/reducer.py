@@ -43,6 +43,7 @@ from .check import (
 from .host_sum import HostSum
 from .module import MirroredModule
 from .overlap import GradientBuckets, bucket_plan
+from .plain_optimizer import subset_text
 from .structure import frozen_message
 
 if TYPE_CHECKING:
@@ -74,10 +75,9 @@ class GradientReducer:
         self._params = params
         self._check: Check = check
         self._steps = None if self._parts.cluster is None else self._parts.cluster.steps
-        self.model = module._number  # the step's calls name the model: two models' steps met
-        # by different replicas or workers are a CollectiveMismatchError, not one sum
-        self.number = f"the optimizer of mirrored model #{self.model}"
-        self.label = f"MirroredOptimizer.step ({self.number})"
+        self.number = (f"the optimizer of mirrored model #{module._mirrored_number}"
+                       f"{subset_text(module.replicas[0], params[0])}")
+        self.label = f"MirroredOptimizer.step ({self.number})"  # (named by the step's calls)
         self.committed = [True] * local  # elastic: the last all-reduce's step was committed
         if self._steps is not None and overlap:
             raise ValueError("mirror_optimizer(overlap=True) is not available under an elastic "
@@ -339,7 +339,7 @@ class GradientReducer:
         doubled = (presence > 1).nonzero().flatten().tolist()
 
         def vote(payloads: Sequence[None]) -> list[bool]:
-            return [steps.commit(self.model)] * len(payloads)
+            return [steps.commit()] * len(payloads)
 
         call = CallSpec("MirroredOptimizer.step", "the commit vote", ("commit",))
         committed = self._parts.runtime.exchange(r, Arrival(call, None, vote),

@@ -87,12 +87,9 @@ class MirroredOptimizer(torch.optim.Optimizer):
                  overlap: bool = False) -> None:
         # Optimizer.__init__ is not called: it would build param groups of its own.
         # These are the hook tables it sets, so torch's hook registration works.
-        self._optimizer_step_pre_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._optimizer_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
+        for table in ("step_pre", "step_post", "state_dict_pre", "state_dict_post",
+                      "load_state_dict_pre", "load_state_dict_post"):
+            setattr(self, f"_optimizer_{table}_hooks", OrderedDict())
         self._module, self._strategy = module, module.strategy
         self._known = module._known  # replica context -> local index (the fast lookup)
         self._optimizers, self._params, self._names = trust(self, optimizers), params, names
@@ -159,8 +156,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
             ReplicaDivergenceError: the copies differ, or a gradient was changed in
                 place after ``backward()`` on some replica (see ``check``).
         """
-        # torch's step hooks (its own or global, but the plain-optimizer guard's) run in
-        # every replica, as step itself does; looked up only when there are some.
+        # torch's step hooks (but the plain-optimizer guard) run in every replica, if any.
         hooked = bool(self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks
                       or len(_GLOBAL_PRE_HOOKS) > GUARD[0] or _GLOBAL_POST_HOOKS)
         if hooked:
@@ -205,10 +201,14 @@ class MirroredOptimizer(torch.optim.Optimizer):
         optimizer.step()
 
     def _settle(self, ctx: ReplicaContext, r: int) -> None:
-        """All-reduces replica ``r``'s gradients; one replica in all: only the watch's
-        refusal (a gradient changed in place since ``backward()``)."""
+        """All-reduces replica ``r``'s gradients (one replica in all: the watch's refusals)."""
         if not self._solo:
-            self._reducer.reduce(ctx, r)
+            try:
+                self._reducer.reduce(ctx, r)
+            except BaseException:  # refused or released: zero_grad() then drops its grads
+                if (watch := self._reducer._watch) is not None:
+                    watch.clear(r)
+                raise
             return
         if self._watch is not None:
             self._watch.settle(r, self._names, lambda: ctx.replica_id_in_sync_group, 1)
@@ -255,8 +255,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
 
         Raises:
             ReplicaDivergenceError: the gradients of a ``backward()`` were never
-                all-reduced (no ``step()`` since; one replica in all, ``"cheap"``:
-                on the steps it watches): a manual update, or lost gradients.
+                all-reduced (no ``step()`` since, nor a refused one; one replica in all,
+                ``"cheap"``: on the steps it watches): a manual update, or lost gradients.
         """
         ctx = context.current_replica_context()  # (replica_index's lookup, inlined)
         r = None if ctx is None else self._known.get(ctx)
@@ -268,8 +268,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
             if (watch.fresh[i] and not reduced[i]) if watch is not None else (
                     self._reducer.discards(i)):
                 raise ReplicaDivergenceError(discarded_message(i))
-        for i in replicas:
-            self._reducer.reduced[i] = False  # (all-reduced by unscale_: discarded now)
+        for i in replicas:  # (all-reduced by unscale_: discarded now)
+            reduced[i] = False
             self._optimizers[i].zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:

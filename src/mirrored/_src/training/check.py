@@ -211,7 +211,8 @@ class GradientWatch:
         """
         if self.crossed[0] is not None:
             (running, copy), self.crossed[0] = self.crossed[0], None
-            self._forget()
+            for i in range(len(self.fresh)):  # (another replica's backward may have noted
+                self.clear(i)  # records on a copy whose own step already ended)
             raise ReplicaDivergenceError(crossed_message(self._ids[running], self._ids[copy]))
         if not self.fresh[r]:
             return []
@@ -220,13 +221,7 @@ class GradientWatch:
             g = p.grad
             if s is not None and g is not None and (g is not s[0] or g._version != s[1]):
                 out.append(k)
-        if out:  # (the caller refuses the step: a later zero_grad() discards nothing)
-            self._forget()
         return out
-
-    def _forget(self) -> None:
-        for i in range(len(self.fresh)):
-            self.clear(i)
 
     def clear(self, r: int) -> None:
         """Forgets replica ``r``'s records (its gradients were all-reduced). The records
@@ -312,8 +307,8 @@ def discarded_message(replica: int) -> str:
 
 
 def crossed_message(running: int, copy: int) -> str:
-    """Why a step is refused whose backward on local replica ``running`` reached the
-    copy of local replica ``copy``."""
+    """Why a step is refused whose backward on replica ``running`` reached the copy of
+    replica ``copy`` (replica ids)."""
     return (f"replica {running}'s backward() reached replica {copy}'s copy of the mirrored "
             f"model: the step function ran a module other than the mirrored model (the "
             f"original module given to strategy.mirror is replica 0's copy, and "

@@ -62,10 +62,10 @@ class HostSum:
 
     Args:
         parts: the strategy's parts (runtime, options).
-        site: how messages name the step's gradients (and the optimizer).
-        label: the mirrored optimizer's step (``"MirroredOptimizer.step (mirrored
-            optimizer #1)"``), the meeting's title and key: two optimizers' steps met
-            by different replicas are a `CollectiveMismatchError` naming both.
+        site: how messages name the step's gradients.
+        label: the mirrored optimizer's step (``"MirroredOptimizer.step (the optimizer
+            of mirrored model #1)"``), the meeting's title and key: two models' steps
+            met by different replicas are a `CollectiveMismatchError` naming both.
 
     Example:
         >>> import torch, mirrored

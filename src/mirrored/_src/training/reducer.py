@@ -75,9 +75,9 @@ class GradientReducer:
         self._params = params
         self._check: Check = check
         self._steps = None if self._parts.cluster is None else self._parts.cluster.steps
-        self.number = (f"the optimizer of mirrored model #{module._mirrored_number}"
-                       f"{subset_text(module.replicas[0], params[0])}")
-        self.label = f"MirroredOptimizer.step ({self.number})"  # (named by the step's calls)
+        self.optimizer_name = (f"the optimizer of mirrored model #{module._mirrored_number}"
+                               f"{subset_text(module.replicas[0], params[0])}")
+        self.label = f"MirroredOptimizer.step ({self.optimizer_name})"  # (in the step's calls)
         self.committed = [True] * local  # elastic: the last all-reduce's step was committed
         if self._steps is not None and overlap:
             raise ValueError("mirror_optimizer(overlap=True) is not available under an elastic "
@@ -89,8 +89,9 @@ class GradientReducer:
         if self._steps is not None:  # elastic: replica 0's worker may be missing
             self._sync[0].refuse_from_first(buffers)
         # On one replica too: the same step raises on 1 replica as on N.
-        self._watch = GradientWatch(params, known=module._known, ids=self._parts.topology
-                                    .replica_ids) if check != "off" else None
+        self._watch = (GradientWatch(params, known=module._known,
+                                     ids=self._parts.topology.replica_ids)
+                       if check != "off" else None)
         self.reduced = [False] * local  # the replica's gradients are all-reduced already
         self.seq = [0] * local  # all-reduces made by each replica (equal on every one)
         first = params[0][0]
@@ -125,7 +126,7 @@ class GradientReducer:
         if overlap and n > 1 and len(bucket_plan(params[0], bucket_bytes)) > 1:
             self.buckets = GradientBuckets(params, self._parts.communicators.default,
                                            self._parts.topology.devices, bucket_bytes,
-                                           self.number)
+                                           self.optimizer_name)
             # + this replica's stale and accumulated flags (see GradientBuckets)
             self._meta = tuple(torch.cat([m, m.new_zeros(2)]) for m in self._meta)
 
@@ -145,11 +146,10 @@ class GradientReducer:
                                       parts.options.timeout_seconds)
 
     def _sum(self, ctx: ReplicaContext, leaves: list[Any]) -> list[torch.Tensor]:
-        """``ctx.all_reduce("SUM", leaves)``, titled with this optimizer. A worker with
-        one replica, whose only
-        peers are other workers, hands float leaves straight to the communicator: the
-        same call and packs (so the same sums, bitwise), without the in-process
-        rendezvous and per-leaf planning that only several local replicas need."""
+        """``ctx.all_reduce("SUM", leaves)``, titled with this optimizer. A worker with one
+        replica, whose only peers are other workers, hands float leaves straight to the
+        communicator: the same call and packs (so the same sums, bitwise), without the
+        in-process rendezvous and per-leaf planning that only several replicas need."""
         parts = self._parts
         topology = parts.topology
         if (topology.num_local_replicas == 1 and topology.num_workers > 1
@@ -157,10 +157,10 @@ class GradientReducer:
             options = parts.options
             reduced = parts.communicators.for_options(options).reduce_packed(
                 ReduceOp.SUM, [leaves], [topology.devices] * len(leaves),
-                options.bytes_per_pack, self.number)
+                options.bytes_per_pack, self.optimizer_name)
             return [per_value[0] for per_value in reduced]
         result: list[torch.Tensor] = all_reduce(parts, ctx._index, "SUM", leaves, None, None,
-                                                call_site(1), self.label, self.number)
+                                                call_site(1), self.label, self.optimizer_name)
         return result
 
     def discards(self, r: int) -> bool:

@@ -21,12 +21,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.optim.optimizer as _torch_optimizer
 from torch import nn
 
 from .. import context
 from ..errors import ReplicaDivergenceError
-from . import amp
+from . import amp, direct
 from . import overlap as _overlap
 from .buffers import BUFFER_RULES, BufferRule
 from .check import CHECKS, Check, GradientWatch, discarded_message
@@ -35,9 +34,7 @@ from .plain_optimizer import GUARD, refuse_scheduler, trust
 from .reducer import GradientReducer
 from .structure import check_module
 
-# torch's registries of global optimizer hooks (empty dicts if this torch has none).
-_GLOBAL_PRE_HOOKS: dict[Any, Any] = getattr(_torch_optimizer, "_global_optimizer_pre_hooks", {})
-_GLOBAL_POST_HOOKS: dict[Any, Any] = vars(_torch_optimizer).get("_global_optimizer_post_hooks", {})
+_GLOBAL_PRE_HOOKS, _GLOBAL_POST_HOOKS = direct.GLOBAL_PRE_HOOKS, direct.GLOBAL_POST_HOOKS
 
 if TYPE_CHECKING:
     from mirrored import ReplicaContext, Strategy
@@ -198,7 +195,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
                         target[key] = value
         if clip_grad_norm is not None:
             nn.utils.clip_grad_norm_(params, clip_grad_norm)
-        optimizer.step()
+        direct.step(optimizer, GUARD[0])  # (its own hooks and ranges if it has any)
 
     def _settle(self, ctx: ReplicaContext, r: int) -> None:
         """All-reduces replica ``r``'s gradients (one replica in all: the watch's refusals)."""
@@ -270,7 +267,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
                 raise ReplicaDivergenceError(discarded_message(i))
         for i in replicas:  # (all-reduced by unscale_: discarded now)
             reduced[i] = False
-            self._optimizers[i].zero_grad(set_to_none)
+            direct.zero_grad(self._optimizers[i], set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
         """Replica 0's optimizer's state dict (interchangeable with a plain optimizer's)."""

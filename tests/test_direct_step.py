@@ -211,3 +211,48 @@ def test_another_librarys_wrapper_around_torchs_is_not_skipped(
     assert calls[0] == 3 * strategy.num_replicas_in_sync
     assert_trained_as_one_device(model, sgd)
     assert direct._raw_step(torch.optim.SGD) is not None  # torch's own: unwrapped
+
+
+def test_a_class_step_wrapped_after_the_first_step_is_not_skipped(
+        strategy: mirrored.MirroredStrategy, monkeypatch: pytest.MonkeyPatch) -> None:
+    class LaterSGD(torch.optim.SGD):
+        pass
+
+    model = strategy.mirror(net())
+    opt = strategy.mirror_optimizer(model, lambda p: LaterSGD(p, lr=0.1, momentum=0.9))
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        mirrored.compute_average_loss((model(x).squeeze(1) - y) ** 2).backward()
+        opt.step()
+        opt.zero_grad()
+
+    first, *rest = batches()
+    strategy.run(step, args=first)  # (the class's unwrapped step found and kept)
+    calls = [0]
+    torchs = LaterSGD.step
+
+    @functools.wraps(torchs)
+    def outer(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return torchs(*args, **kwargs)
+
+    monkeypatch.setattr(LaterSGD, "step", outer)
+    for x, y in rest:
+        strategy.run(step, args=(x, y))
+    assert calls[0] == 2 * strategy.num_replicas_in_sync
+    assert_trained_as_one_device(model, sgd)
+
+
+def test_torchs_zero_grad_patched_by_another_library_is_not_skipped(
+        strategy: mirrored.MirroredStrategy, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = [0]
+    torchs = torch.optim.Optimizer.zero_grad
+
+    def patched(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        calls[0] += 1
+        torchs(self, set_to_none)
+
+    monkeypatch.setattr(torch.optim.Optimizer, "zero_grad", patched)
+    model, _ = train(strategy, sgd)
+    assert calls[0] == 3 * strategy.num_replicas_in_sync
+    assert_trained_as_one_device(model, sgd)

@@ -41,22 +41,28 @@ def _nothing() -> None:
 
 _WRAPPER_CODE = getattr(getattr(_Optimizer, "profile_hook_step", None) and
                         _Optimizer.profile_hook_step(_nothing), "__code__", None)
-# optimizer class -> its unwrapped step, or None (torch's wrapper not found: called as is)
-_raw_steps: dict[type[torch.optim.Optimizer], Callable[..., Any] | None] = {}
+# torch's own zero_grad, as imported (one patched later by another library is its own)
+_ZERO_GRAD = _Optimizer.zero_grad
+# a class's step as found (the function object: a class patched later is looked up
+# again) -> the function under torch's wrapper, or None (not torch's wrapper: called as
+# is); emptied past 256 (classes made on the fly)
+_raw_steps: dict[Any, Callable[..., Any] | None] = {}
 
 
 def _raw_step(kind: type[torch.optim.Optimizer]) -> Callable[..., Any] | None:
     """The function torch's wrapper calls for ``kind.step`` (``None``: ``kind.step`` is
     not exactly torch's wrapper, e.g. another library's wrapper around it)."""
+    wrapped = kind.step
     try:
-        return _raw_steps[kind]
+        return _raw_steps[wrapped]
     except KeyError:
         pass
-    wrapped = kind.step
     raw = getattr(wrapped, "__wrapped__", None) if (
         _WRAPPER_CODE is not None and getattr(wrapped, "__code__", None) is _WRAPPER_CODE
     ) else None
-    _raw_steps[kind] = raw
+    if len(_raw_steps) >= 256:
+        _raw_steps.clear()
+    _raw_steps[wrapped] = raw
     return raw
 
 
@@ -93,7 +99,7 @@ def zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
         >>> p.grad is None
         True
     """
-    if (not set_to_none or type(optimizer).zero_grad is not _Optimizer.zero_grad
+    if (not set_to_none or type(optimizer).zero_grad is not _ZERO_GRAD
             or "zero_grad" in vars(optimizer) or profiling()):
         optimizer.zero_grad(set_to_none)
         return

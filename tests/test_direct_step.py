@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.optim.optimizer as torch_optimizer
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile
 
 import mirrored
@@ -256,3 +257,55 @@ def test_torchs_zero_grad_patched_by_another_library_is_not_skipped(
     model, _ = train(strategy, sgd)
     assert calls[0] == 3 * strategy.num_replicas_in_sync
     assert_trained_as_one_device(model, sgd)
+
+
+def test_a_step_tracer_or_a_mode_in_the_step_sees_torchs_wrapper(
+        strategy: mirrored.MirroredStrategy, monkeypatch: pytest.MonkeyPatch) -> None:
+    traced: list[str] = []
+    torchs = torch.optim.Optimizer._optimizer_step_code
+
+    def trace(self: torch.optim.Optimizer) -> None:  # torch's entry point for step tracing
+        traced.append(type(self).__name__)
+        torchs(self)
+
+    monkeypatch.setattr(torch.optim.Optimizer, "_optimizer_step_code", trace)
+    model, _ = train(strategy, sgd)
+    assert traced == ["SGD"] * (3 * strategy.num_replicas_in_sync)
+    monkeypatch.undo()
+
+    class Ops(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            self.names.append(str(getattr(func, "__name__", func)))
+            return func(*args, **(kwargs or {}))
+
+    model = strategy.mirror(net())
+    opt = strategy.mirror_optimizer(model, sgd)
+    modes: list[Ops] = []
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        mirrored.compute_average_loss((model(x).squeeze(1) - y) ** 2).backward()
+        with Ops() as mode:  # a mode entered inside the step function sees every op
+            opt.step()
+            opt.zero_grad()
+        modes.append(mode)
+
+    x, y = batches()[0]
+    strategy.run(step, args=(x, y))
+    for mode in modes:  # as with a plain optimizer: torch's ranges' ops among them
+        assert sum(n.startswith("_record_function_enter") for n in mode.names) == 2
+
+
+def test_only_torchs_own_functions_count_as_torchs() -> None:
+    def patched(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        """A library's zero_grad, patched on torch's class before mirrored's import."""
+
+    wrapped = functools.wraps(torch.optim.Optimizer.zero_grad)(patched)
+    assert direct._torchs(torch.optim.Optimizer.zero_grad, "zero_grad") is not None
+    assert direct._torchs(patched, "zero_grad") is None
+    assert direct._torchs(wrapped, "zero_grad") is None  # (its own code outside torch)
+    assert direct._torchs(torch.optim.Optimizer.step, "zero_grad") is None

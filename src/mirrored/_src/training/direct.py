@@ -12,14 +12,19 @@ model's plain optimizer step. A `MirroredOptimizer` already runs the step hooks
 registered on it and torch's global ones (`MirroredOptimizer.step`), and its
 per-replica optimizers are its own: when none of them has a hook, an instance
 ``step`` of its own (an LR scheduler built on it patches one) or a subclass's
-``zero_grad``, and no profiler records, `step` calls the class's unwrapped ``step``
-and `zero_grad` sets the gradients to ``None`` itself: the same updates, bitwise.
-Under a profiler both go through torch's wrappers, so a trace shows their ranges as
-on one device.
+``zero_grad``, no profiler records, no torch function or dispatch mode is active (a
+mode entered inside the step function sees the ranges' ops) and the functions
+involved are torch's own (not patched by another library, before or after this
+module's import: a class's ``step`` exactly torch's wrapper, ``zero_grad`` and the
+step-tracing entry point ``_optimizer_step_code`` torch's code), `step` calls the
+class's unwrapped ``step`` and `zero_grad` sets the gradients to ``None`` itself:
+the same updates, bitwise. Otherwise both go through torch's wrappers, so a trace
+shows their ranges, and hooks and tracers see every step, as on one device.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -39,10 +44,33 @@ def _nothing() -> None:
     """What `_WRAPPER_CODE` is taken from torch's wrapper around."""
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _torchs(fn: Any, name: str) -> Any:
+    """``fn`` if it is torch's own (every layer's code in torch's package, the innermost
+    named ``name``), else ``None``: patched by another library before this module was
+    imported, so never skipped."""
+    top, code = fn, None
+    while fn is not None:
+        code = getattr(fn, "__code__", None)
+        if code is None or not code.co_filename.startswith(_TORCH_DIR):
+            return None
+        fn = getattr(fn, "__wrapped__", None)
+    return top if code is not None and code.co_name == name else None
+
+
 _WRAPPER_CODE = getattr(getattr(_Optimizer, "profile_hook_step", None) and
                         _Optimizer.profile_hook_step(_nothing), "__code__", None)
-# torch's own zero_grad, as imported (one patched later by another library is its own)
-_ZERO_GRAD = _Optimizer.zero_grad
+if _WRAPPER_CODE is not None and not _WRAPPER_CODE.co_filename.startswith(_TORCH_DIR):
+    _WRAPPER_CODE = None  # (another library's profile_hook_step: never skipped)
+# torch's own zero_grad and step-tracing entry point (`_torchs`); patched later by
+# another library, a class's are not these
+_ZERO_GRAD = _torchs(_Optimizer.zero_grad, "zero_grad")
+_STEP_CODE = _torchs(getattr(_Optimizer, "_optimizer_step_code", None), "_optimizer_step_code")
+# modes entered inside the step function see the ranges' ops: kept for them
+_function_modes = torch._C._len_torch_function_stack
+_dispatch_modes = torch._C._len_torch_dispatch_stack
 # a class's step as found (the function object: a class patched later is looked up
 # again) -> the function under torch's wrapper, or None (not torch's wrapper: called as
 # is); emptied past 256 (classes made on the fly)
@@ -82,7 +110,9 @@ def step(optimizer: torch.optim.Optimizer, guards: int) -> None:
     raw = _raw_step(type(optimizer))
     if (raw is None or optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
             or len(GLOBAL_PRE_HOOKS) > guards or GLOBAL_POST_HOOKS
-            or "step" in vars(optimizer) or profiling()):
+            or "step" in vars(optimizer) or profiling()
+            or type(optimizer)._optimizer_step_code is not _STEP_CODE
+            or _function_modes() or _dispatch_modes()):
         optimizer.step()
     else:
         raw(optimizer)
@@ -100,7 +130,8 @@ def zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
         True
     """
     if (not set_to_none or type(optimizer).zero_grad is not _ZERO_GRAD
-            or "zero_grad" in vars(optimizer) or profiling()):
+            or "zero_grad" in vars(optimizer) or profiling() or _function_modes()
+            or _dispatch_modes()):
         optimizer.zero_grad(set_to_none)
         return
     for group in optimizer.param_groups:

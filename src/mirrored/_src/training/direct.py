@@ -39,12 +39,11 @@ __all__ = ["GLOBAL_POST_HOOKS", "GLOBAL_PRE_HOOKS", "step", "zero_grad"]
 GLOBAL_PRE_HOOKS: dict[Any, Any] = getattr(_torch_optimizer, "_global_optimizer_pre_hooks", {})
 GLOBAL_POST_HOOKS: dict[Any, Any] = vars(_torch_optimizer).get("_global_optimizer_post_hooks", {})
 _Optimizer = torch.optim.Optimizer
-# The code of torch's wrapper (`profile_hook_step`'s inner function), to know it by.
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
 def _nothing() -> None:
     """What `_WRAPPER_CODE` is taken from torch's wrapper around."""
-
-
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
 def _torchs(fn: Any, name: str) -> Any:
@@ -60,6 +59,7 @@ def _torchs(fn: Any, name: str) -> Any:
     return top if code is not None and code.co_name == name else None
 
 
+# The code of torch's wrapper (`profile_hook_step`'s inner function), to know it by.
 _WRAPPER_CODE = getattr(getattr(_Optimizer, "profile_hook_step", None) and
                         _Optimizer.profile_hook_step(_nothing), "__code__", None)
 if _WRAPPER_CODE is not None and not _WRAPPER_CODE.co_filename.startswith(_TORCH_DIR):
@@ -111,7 +111,7 @@ def step(optimizer: torch.optim.Optimizer, guards: int) -> None:
     if (raw is None or optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
             or len(GLOBAL_PRE_HOOKS) > guards or GLOBAL_POST_HOOKS
             or "step" in vars(optimizer) or profiling()
-            or type(optimizer)._optimizer_step_code is not _STEP_CODE
+            or getattr(type(optimizer), "_optimizer_step_code", None) is not _STEP_CODE
             or _function_modes() or _dispatch_modes()):
         optimizer.step()
     else:

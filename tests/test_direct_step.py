@@ -309,3 +309,30 @@ def test_only_torchs_own_functions_count_as_torchs() -> None:
     assert direct._torchs(patched, "zero_grad") is None
     assert direct._torchs(wrapped, "zero_grad") is None  # (its own code outside torch)
     assert direct._torchs(torch.optim.Optimizer.step, "zero_grad") is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_steps_under_no_grad_and_zero_grad_outside_run_are_one_devices(
+        strategy: mirrored.MirroredStrategy, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    reference = nn.Linear(3, 1).to(dtype)
+    model = strategy.mirror(nn.Linear(3, 1).to(dtype))
+    model.load_state_dict(reference.state_dict())
+    opt = strategy.mirror_optimizer(model, sgd)
+    plain = sgd(reference.parameters())
+    x, y = (t.to(dtype) for t in batches()[0])
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        mirrored.compute_average_loss((model(x).squeeze(1) - y) ** 2).backward()
+        with torch.no_grad():  # (the raw step sets its own grad mode, as torch's wrapper)
+            opt.step()
+
+    strategy.run(step, args=(x, y))
+    opt.zero_grad()  # outside run: every replica's gradients
+    assert all(p.grad is None for copy in model.replicas for p in copy.parameters())
+    ((reference(x).squeeze(1) - y) ** 2).mean().backward()
+    plain.step()
+    for copy in model.replicas:
+        for p, q in zip(copy.parameters(), reference.parameters(), strict=True):
+            assert p.dtype == dtype
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-2, atol=1e-2)

@@ -32,8 +32,9 @@ import torch
 import torch.optim.optimizer as _torch_optimizer
 
 from ..runtime.replica_call import profiling
+from .plain_optimizer import GUARD
 
-__all__ = ["GLOBAL_POST_HOOKS", "GLOBAL_PRE_HOOKS", "step", "zero_grad"]
+__all__ = ["GLOBAL_POST_HOOKS", "GLOBAL_PRE_HOOKS", "hooked", "step", "zero_grad"]
 
 # torch's registries of global optimizer hooks (empty dicts if this torch has none).
 GLOBAL_PRE_HOOKS: dict[Any, Any] = getattr(_torch_optimizer, "_global_optimizer_pre_hooks", {})
@@ -94,23 +95,34 @@ def _raw_step(kind: type[torch.optim.Optimizer]) -> Callable[..., Any] | None:
     return raw
 
 
-def step(optimizer: torch.optim.Optimizer, guards: int) -> None:
-    """``optimizer.step()``; see the module's docstring. ``guards``: torch's global
-    pre-hooks that are mirrored's own (the plain-optimizer guard, which trusts
-    ``optimizer``).
+def hooked(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a step of ``optimizer`` has torch step hooks to run: its own, or global
+    ones besides the plain-optimizer guard (`plain_optimizer.GUARD`, which trusts
+    mirrored optimizers).
+
+    Example:
+        >>> import torch
+        >>> hooked(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.5))
+        False
+    """
+    return bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+                or len(GLOBAL_PRE_HOOKS) > GUARD[0] or GLOBAL_POST_HOOKS)
+
+
+def step(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.step()`` of a mirrored optimizer's own (trusted) replica optimizer;
+    see the module's docstring.
 
     Example:
         >>> import torch
         >>> p = torch.nn.Parameter(torch.ones(2))
         >>> p.grad = torch.ones(2)
-        >>> step(torch.optim.SGD([p], lr=0.5), 0)
+        >>> step(torch.optim.SGD([p], lr=0.5))
         >>> p.detach()
         tensor([0.5000, 0.5000])
     """
     raw = _raw_step(type(optimizer))
-    if (raw is None or optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
-            or len(GLOBAL_PRE_HOOKS) > guards or GLOBAL_POST_HOOKS
-            or "step" in vars(optimizer) or profiling()
+    if (raw is None or hooked(optimizer) or "step" in vars(optimizer) or profiling()
             or getattr(type(optimizer), "_optimizer_step_code", None) is not _STEP_CODE
             or _function_modes() or _dispatch_modes()):
         optimizer.step()

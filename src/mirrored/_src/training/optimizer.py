@@ -30,11 +30,9 @@ from . import overlap as _overlap
 from .buffers import BUFFER_RULES, BufferRule
 from .check import CHECKS, Check, GradientWatch, discarded_message
 from .module import MirroredModule, as_mirrored_module, replica_index, replica_of
-from .plain_optimizer import GUARD, refuse_scheduler, trust
+from .plain_optimizer import refuse_scheduler, trust
 from .reducer import GradientReducer
 from .structure import check_module
-
-_GLOBAL_PRE_HOOKS, _GLOBAL_POST_HOOKS = direct.GLOBAL_PRE_HOOKS, direct.GLOBAL_POST_HOOKS
 
 if TYPE_CHECKING:
     from mirrored import ReplicaContext, Strategy
@@ -154,11 +152,11 @@ class MirroredOptimizer(torch.optim.Optimizer):
                 place after ``backward()`` on some replica (see ``check``).
         """
         # torch's step hooks (but the plain-optimizer guard) run in every replica, if any.
-        hooked = bool(self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks
-                      or len(_GLOBAL_PRE_HOOKS) > GUARD[0] or _GLOBAL_POST_HOOKS)
+        hooked = direct.hooked(self)
         if hooked:
             args, kwargs = (self, closure), {"clip_grad_norm": clip_grad_norm}
-            for pre in (*_GLOBAL_PRE_HOOKS.values(), *self._optimizer_step_pre_hooks.values()):
+            for pre in (*direct.GLOBAL_PRE_HOOKS.values(),
+                        *self._optimizer_step_pre_hooks.values()):
                 pre(self, args, kwargs)
         loss = None
         if closure is not None:
@@ -167,7 +165,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
         self._step(clip_grad_norm)
         if hooked:
             for post in (*self._optimizer_step_post_hooks.values(),
-                         *_GLOBAL_POST_HOOKS.values()):
+                         *direct.GLOBAL_POST_HOOKS.values()):
                 post(self, args, kwargs)
         return loss
 
@@ -195,7 +193,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
                         target[key] = value
         if clip_grad_norm is not None:
             nn.utils.clip_grad_norm_(params, clip_grad_norm)
-        direct.step(optimizer, GUARD[0])  # (its own hooks and ranges if it has any)
+        direct.step(optimizer)  # (its own hooks and ranges if it has any)
 
     def _settle(self, ctx: ReplicaContext, r: int) -> None:
         """All-reduces replica ``r``'s gradients (one replica in all: the watch's refusals)."""

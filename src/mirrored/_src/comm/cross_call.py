@@ -23,6 +23,7 @@ from .call_identity import (
     identity_hash,
     user_call,
 )
+from .exchange import EXCHANGED, pair_exchange
 from .watch import CallWatch, short
 
 __all__ = ["GATHER", "HEAD", "VALUE", "CrossWorkerCalls", "PendingCall"]
@@ -61,6 +62,8 @@ class CrossWorkerCalls:
         self._keys: dict[tuple[Any, ...], tuple[str, int]] = {}
         self._host = wire.torch_device.type == "cpu"  # trailers written as raw bytes
         self._direct = _direct_all_reduce(group)
+        # Two workers on Gloo: a SUM is one exchange (`exchange`), bitwise the same
+        self._exchange = pair_exchange(group, self._world, self._host)
         self._flat_gather = True  # (see `_gather_rows`)
         self._following: tuple[int, object] = (0, "gather")  # the latest gather's (`follow`)
 
@@ -265,6 +268,8 @@ class CrossWorkerCalls:
                 fill(i)
             if kind == "broadcast":
                 works.append(dist.broadcast(buffer, src=0, group=self._group, async_op=True))
+            elif kind == "sum" and self._exchange is not None and buffer.dtype in EXCHANGED:
+                works.append(self._exchange(buffer))
             elif self._direct is not None and not buffer.is_complex():
                 # What dist.all_reduce does for a dense tensor outside a coalescing
                 # context, less its Python checks (a third of a small call's CPU time).

@@ -2,7 +2,7 @@
 for every dtype it takes (a NaN where Gloo's is one), on inputs with infinities,
 signed zeros, subnormals and values far apart in magnitude; the same bits on both
 workers where a NaN meets a NaN; waited for across the watch's polls; used for SUM
-only, and only on two workers."""
+only, and only on two workers; a header's all-gather as an exchange too."""
 
 from __future__ import annotations
 
@@ -54,8 +54,9 @@ def _bits(t: torch.Tensor) -> list[int]:
 def _compare_with_all_reduce() -> dict[str, Any]:
     dist.init_process_group("gloo")
     try:
-        launch = exchange.pair_exchange(None, world=2, host=True)
-        assert launch is not None
+        pair = exchange.pair_exchange(None, world=2, host=True)
+        assert pair is not None
+        launch = pair.sum
         rank, out = dist.get_rank(), {}
         for dtype in sorted(exchange.EXCHANGED, key=str):
             for n in (40, 300_000):  # (the larger from the buffer pool)
@@ -72,6 +73,12 @@ def _compare_with_all_reduce() -> dict[str, Any]:
                 same = bool((nan == expected.isnan()).all()) if dtype.is_floating_point else True
                 out[f"{dtype}/{n}"] = (same and _bits(got[~nan]) == _bits(expected[~nan]),
                                        _bits(got)[:20])
+        header = torch.arange(7, dtype=torch.int64) * (rank + 3) - 2**40  # (a header row)
+        rows, expected_rows = torch.empty(14, dtype=torch.int64), torch.empty(14,
+                                                                              dtype=torch.int64)
+        pair.gather(rows, header).wait()
+        dist.all_gather(list(expected_rows.view(2, 7)), header)
+        out["gather"] = (rows.tolist() == expected_rows.tolist(), rows.tolist())
         nan = torch.tensor([float("nan"), 1.0, float("nan")])  # payloads differ by rank
         nan.view(torch.int32)[0] += rank + 1
         launch(nan).wait()
@@ -101,12 +108,12 @@ def _calls(local: int, delay: float) -> dict[str, Any]:
                             master_port=int(os.environ["MASTER_PORT"]), timeout_seconds=30,
                             failure_timeout_seconds=1.0))  # (the watch polls every 0.1 s)
     launched = []
-    real = dist.all_to_all_single
+    real = exchange.Pair.sum
 
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        launched.append(args[1].numel())
-        return real(*args, **kwargs)
-    dist.all_to_all_single = spy  # type: ignore[assignment]
+    def spy(self: exchange.Pair, buffer: torch.Tensor) -> exchange.Exchange:
+        launched.append(buffer.numel())
+        return real(self, buffer)
+    exchange.Pair.sum = spy  # type: ignore[method-assign]
     try:
         topology = Topology(devices=parse_devices([f"CPU:{i}" for i in range(local)]),
                             worker_index=rank, num_workers=world)
@@ -123,7 +130,7 @@ def _calls(local: int, delay: float) -> dict[str, Any]:
                                            len(launched) - before)
         return out
     finally:
-        dist.all_to_all_single = real  # type: ignore[assignment]
+        exchange.Pair.sum = real  # type: ignore[method-assign]
         job.close()
 
 

@@ -1,5 +1,6 @@
 """The SUM of two workers on Gloo as one exchange: each worker sends its whole buffer
-to the other (one ``all_to_all_single``), then adds the two in rank order, in place.
+to the other (one ``all_to_all_single``), then adds the two in rank order, in place;
+and a header's all-gather the same way (each worker's row sent to the other).
 
 Gloo's ring all-reduce takes several round trips and thread hand-offs for one call;
 between two processes on one host a 336 KiB all-reduce took about 1 ms where the
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 from .buffers import default_pool
 
-__all__ = ["EXCHANGED", "Exchange", "pair_exchange"]
+__all__ = ["EXCHANGED", "Exchange", "Pair", "pair_exchange"]
 
 # The dtypes whose SUM the exchange computes exactly as Gloo's all-reduce does
 # (tests/test_exchange.py compares them bitwise); others keep the all-reduce.
@@ -75,10 +76,50 @@ class Exchange:
         return done
 
 
-def pair_exchange(group: Any, world: int, host: bool) -> Any:
-    """A function that launches the exchange of a flat buffer (-> `Exchange`), where
-    it replaces the all-reduce (SUM): two workers, host buffers, a Gloo group; else
-    ``None``.
+class Pair:
+    """The exchanges of a two-worker Gloo group: `sum` (a SUM's all-reduce) and
+    `gather` (a header's all-gather), each one ``all_to_all_single`` launched
+    straight on the process group (``dist.all_to_all_single`` less its per-call
+    checks), so both travel in one round trip."""
+
+    def __init__(self, group: Any, rank: int) -> None:
+        self._group = group
+        self._rank = rank
+        self._pool = default_pool()
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        self._direct = getattr(pg, "all_to_all_single", None) or getattr(pg, "alltoall_base",
+                                                                         None)
+        self._options = dist.AllToAllOptions()
+        if hasattr(self._options, "asyncOp"):
+            self._options.asyncOp = True
+
+    def _launch(self, out: torch.Tensor, mine: torch.Tensor) -> Any:
+        """Sends flat ``mine`` to the peer and receives the peer's into flat ``out``."""
+        n = mine.numel()
+        splits = [0, n] if self._rank == 0 else [n, 0]  # (nothing to itself)
+        if self._direct is not None:
+            return self._direct(out, mine, splits, splits, self._options)
+        return dist.all_to_all_single(out, mine, splits, splits, group=self._group,
+                                      async_op=True)
+
+    def sum(self, buffer: torch.Tensor) -> Exchange:
+        """Launches the SUM of ``buffer`` (left in it by the returned work's wait)."""
+        peer = self._pool.empty(tuple(buffer.shape), buffer.dtype, buffer.device)
+        work = self._launch(peer.view(-1), buffer.reshape(-1))
+        return Exchange(work, buffer, peer, self._rank == 0)
+
+    def gather(self, rows: torch.Tensor, header: torch.Tensor) -> Any:
+        """Launches the all-gather of flat ``header`` into ``rows`` (worker ``w``'s at
+        ``w * len(header)``) -> its work."""
+        n = header.numel()
+        mine, peer = (rows[:n], rows[n:]) if self._rank == 0 else (rows[n:], rows[:n])
+        mine.copy_(header)
+        return self._launch(peer, header)
+
+
+def pair_exchange(group: Any, world: int, host: bool) -> Pair | None:
+    """The `Pair` of a group where exchanges replace the all-reduce (SUM) and the
+    header's all-gather: two workers, host buffers, Gloo; else ``None``.
 
     Example:
         >>> pair_exchange(None, world=3, host=True) is None
@@ -91,16 +132,4 @@ def pair_exchange(group: Any, world: int, host: bool) -> Any:
         rank = dist.get_rank(group)
     except (RuntimeError, ValueError):
         return None
-    if backend != "gloo":
-        return None
-    pool = default_pool()
-    first = rank == 0
-
-    def launch(buffer: torch.Tensor) -> Exchange:
-        n = buffer.numel()
-        splits = [0, n] if first else [n, 0]  # (nothing to itself, all to the peer)
-        peer = pool.empty(tuple(buffer.shape), buffer.dtype, buffer.device)
-        work = dist.all_to_all_single(peer.view(-1), buffer.reshape(-1), splits, splits,
-                                      group=group, async_op=True)
-        return Exchange(work, buffer, peer, first)
-    return launch
+    return Pair(group, rank) if backend == "gloo" else None

@@ -200,9 +200,13 @@ class MirroredOptimizer(torch.optim.Optimizer):
         if not self._solo:
             try:
                 self._reducer.reduce(ctx, r)
-            except BaseException:  # refused or released: zero_grad() then drops its grads
+            except BaseException:  # refused or released: zero_grad() then drops the grads
                 if (watch := self._reducer._watch) is not None:
-                    watch.clear(r)
+                    # of every local replica: the run failed as a whole, and a replica's
+                    # backward that reached another's copy may have left records there
+                    # after that replica's own step had failed
+                    for i in range(len(watch.fresh)):
+                        watch.clear(i)
                 raise
             return
         if self._watch is not None:

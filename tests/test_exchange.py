@@ -107,12 +107,14 @@ def _calls(local: int, delay: float) -> dict[str, Any]:
     job = Job.start(JobSpec(backend="gloo", rank=rank, world_size=world,
                             master_port=int(os.environ["MASTER_PORT"]), timeout_seconds=30,
                             failure_timeout_seconds=1.0))  # (the watch polls every 0.1 s)
-    launched = []
+    launched, sourced = [], []
     real = exchange.Pair.sum
 
-    def spy(self: exchange.Pair, buffer: torch.Tensor) -> exchange.Exchange:
+    def spy(self: exchange.Pair, buffer: torch.Tensor,
+            source: torch.Tensor | None = None) -> exchange.Exchange:
         launched.append(buffer.numel())
-        return real(self, buffer)
+        sourced.append(source is not None)
+        return real(self, buffer, source)
     exchange.Pair.sum = spy  # type: ignore[method-assign]
     try:
         topology = Topology(devices=parse_devices([f"CPU:{i}" for i in range(local)]),
@@ -128,6 +130,14 @@ def _calls(local: int, delay: float) -> dict[str, Any]:
             result = comm.reduce_packed(op, values, [topology.devices] * 2, 0)
             out[f"{op.name}{len(out)}"] = ([r[0].tolist() for r in result],
                                            len(launched) - before)
+        # A large value travels in chunks; those without the trailer are sent from the
+        # input itself (no copy first), which stays as it was.
+        big = torch.arange(5 << 20, dtype=torch.float32) * (rank + 1)
+        before, was = len(sourced), big.clone()
+        for _ in range(2):
+            total = comm.reduce_packed(ReduceOp.SUM, [[big]], [topology.devices], 0)[0][0]
+        out["big"] = (torch.equal(big, was), torch.equal(total, big / (rank + 1) * 3),
+                      sum(sourced[before:]))
         return out
     finally:
         exchange.Pair.sum = real  # type: ignore[method-assign]
@@ -143,6 +153,9 @@ def test_sums_of_two_workers_are_exchanged_and_waited_for_across_polls(world: in
     replicas = world * local
     total = float(replicas * (replicas + 1) // 2)
     for out in results:
+        untouched, exact, sent_as_is = out.pop("big")
+        assert untouched and (exact or world != 2 or local != 1)
+        assert (sent_as_is >= 2) if world == 2 else sent_as_is == 0
         for key, (values, exchanges) in out.items():
             floats, ints = values
             if key.startswith("SUM"):

@@ -70,13 +70,16 @@ class CrossWorkerCalls:
 
     def call(self, what: str, wire: Wire, data: list[torch.Tensor], *, flag: int = 0,
              value: int = 0, sizes: Sequence[int] = (),
-             fill: Callable[[int], None] | None = None) -> list[list[int]]:
+             fill: Callable[[int], None] | None = None,
+             sources: Sequence[torch.Tensor | None] = ()) -> list[list[int]]:
         """One checked cross-worker call (see the module's docstring): launches
         ``data``'s collectives (kinds and sizes in ``wire``) with the header and returns
         the header table (one row per worker) once every identity agrees. ``fill(i)``,
         when given, writes ``data[i]``'s payload right before its collective is
         launched (so copying the next buffer overlaps the previous one's transfer); it
-        never touches a trailer."""
+        never touches a trailer. ``sources[i]``, when given, holds exactly what
+        ``fill(i)`` would copy into the whole of ``data[i]``: an exchange reads it there
+        and leaves the sum in ``data[i]`` all the same, with no copy first."""
         ledger = self._ledger
         if ledger.broken is not None:
             raise RuntimeError(f"this strategy's cross-worker communication is unusable after "
@@ -98,7 +101,8 @@ class CrossWorkerCalls:
         predicted = self._wire_hash(prediction) if check and prediction else 0
         agreed, ledger.agreed = ledger.agreed, None
         if not check and wire and wire != GATHER:
-            self.watch.wait(self._launch(wire, data, fill), seq, text)  # unchecked: data only
+            # unchecked: data only
+            self.watch.wait(self._launch(wire, data, fill, sources), seq, text)
             self._done(seq)
             return []
         if agreed is not None and agreed != GATHER:
@@ -106,7 +110,7 @@ class CrossWorkerCalls:
             if agreed == wire:  # header and data together
                 if codec is not None:
                     end, expected = self._stamp(codec, data[0], ident, predicted, 0)
-                    self.watch.wait(self._launch(wire, data, fill), seq, text)
+                    self.watch.wait(self._launch(wire, data, fill, sources), seq, text)
                     same, guess, miss = self._read(codec, data[0], end, expected, predicted)
                     if miss == 0:
                         if not same:
@@ -116,7 +120,7 @@ class CrossWorkerCalls:
                         return []
                 else:
                     table = self._round(self._row(ident, predicted, flag, value, sizes),
-                                        self._launch(wire, data, fill), seq, text)
+                                        self._launch(wire, data, fill, sources), seq, text)
                     if not any(r[2] for r in table):
                         return self._verified(table, seq, text)
             else:  # zeros of the agreed sizes, so that every worker sends what it expects
@@ -137,7 +141,7 @@ class CrossWorkerCalls:
         if wire == GATHER:
             self._following = (seq, text)
         elif data:  # (refilled: a miss above may have reduced them)
-            self.watch.wait(self._launch(wire, data, fill), seq, text)
+            self.watch.wait(self._launch(wire, data, fill, sources), seq, text)
             self._done(seq)
         return table
 
@@ -262,15 +266,20 @@ class CrossWorkerCalls:
             self._job.note_progress(self._ledger.seq, seq)
 
     def _launch(self, wire: Wire, data: Sequence[torch.Tensor],
-                fill: Callable[[int], None] | None = None) -> list[Any]:
+                fill: Callable[[int], None] | None = None,
+                sources: Sequence[torch.Tensor | None] = ()) -> list[Any]:
         works: list[Any] = []
         for i, ((kind, _, _), buffer) in enumerate(zip(wire, data, strict=True)):
+            if kind == "sum" and self._pair is not None and buffer.dtype in EXCHANGED:
+                source = sources[i] if sources else None
+                if source is None and fill is not None:
+                    fill(i)
+                works.append(self._pair.sum(buffer, source))
+                continue
             if fill is not None:
                 fill(i)
             if kind == "broadcast":
                 works.append(dist.broadcast(buffer, src=0, group=self._group, async_op=True))
-            elif kind == "sum" and self._pair is not None and buffer.dtype in EXCHANGED:
-                works.append(self._pair.sum(buffer))
             elif self._direct is not None and not buffer.is_complex():
                 # What dist.all_reduce does for a dense tensor outside a coalescing
                 # context, less its Python checks (a third of a small call's CPU time).

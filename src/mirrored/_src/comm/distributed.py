@@ -152,6 +152,7 @@ class DistributedCommunicator:
             t.requires_grad for leaves in per_replica for t in leaves)
         slot = make(kept=False, pooled=False) if graph else self._slot(slots, make)
         data, fills, views = [], [], []
+        sources: list[torch.Tensor | None] = []
         for index, (members, parts) in enumerate(zip(packs, slot.parts, strict=True)):
             payload, shaped = slot.results(index, make.leaves[index])
             views.append((payload, shaped))
@@ -167,13 +168,18 @@ class DistributedCommunicator:
                 data.append(chunk)
                 if span is None or dst is None:  # the leaves, into views shaped like them
                     fills.append(functools.partial(torch._foreach_copy_, shaped, leaves))
+                    sources.append(None)
                 else:
                     a, b = span
-                    fills.append(functools.partial(
-                        _copy, dst, source if a == 0 and b == source.numel() else source[a:b]))
+                    src = source if a == 0 and b == source.numel() else source[a:b]
+                    fills.append(functools.partial(_copy, dst, src))
+                    # (a chunk that is all data, no trailer: an exchange sends it as it is)
+                    sources.append(src if dst.numel() == chunk.numel() and (
+                        src.dtype, src.device) == (chunk.dtype, chunk.device)
+                        and src.is_contiguous() else None)
         if not wire:  # (the same for every call of this plan: kept as a tuple)
             wire.append(tuple((make.kind, str(b.dtype), b.numel()) for b in data))
-        self._calls.call(what, wire[0], data, fill=lambda i: fills[i]())
+        self._calls.call(what, wire[0], data, fill=lambda i: fills[i](), sources=sources)
         out: list[list[torch.Tensor]] = [[] for _ in first]
         for members, (payload, shaped) in zip(packs, views, strict=True):
             for flat in self._copies(payload, destinations[members[0]]):

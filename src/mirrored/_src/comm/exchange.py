@@ -39,12 +39,13 @@ class Exchange:
     """A launched exchange: waits like the collective's work, and leaves the sum in
     ``buffer`` once a wait succeeds (as an in-place all-reduce would)."""
 
-    __slots__ = ("_buffer", "_first", "_peer", "_work")
+    __slots__ = ("_buffer", "_first", "_mine", "_peer", "_work")
 
     def __init__(self, work: Any, buffer: torch.Tensor, peer: torch.Tensor,
-                 first: bool) -> None:
+                 first: bool, mine: torch.Tensor) -> None:
         self._work: Any = work
         self._buffer = buffer
+        self._mine: torch.Tensor | None = mine  # what this worker sent (``buffer``'s)
         self._peer: torch.Tensor | None = peer
         self._first = first  # this worker is worker 0: its values come first
 
@@ -56,10 +57,12 @@ class Exchange:
         if done is False:
             return False
         peer, self._peer = self._peer, None
+        mine, self._mine = self._mine, None
+        assert mine is not None  # (set with the peer's)
         if self._first:
-            torch.add(self._buffer, peer, out=self._buffer)
+            torch.add(mine, peer, out=self._buffer)
         else:
-            torch.add(peer, self._buffer, out=self._buffer)
+            torch.add(peer, mine, out=self._buffer)
         self._work = None  # (it holds both buffers: the peer's goes back to the pool)
         return True
 
@@ -102,11 +105,14 @@ class Pair:
         return dist.all_to_all_single(out, mine, splits, splits, group=self._group,
                                       async_op=True)
 
-    def sum(self, buffer: torch.Tensor) -> Exchange:
-        """Launches the SUM of ``buffer`` (left in it by the returned work's wait)."""
+    def sum(self, buffer: torch.Tensor, source: torch.Tensor | None = None) -> Exchange:
+        """Launches the SUM of ``buffer``'s values, or of ``source``'s (as many, of
+        its dtype and device: sent as they are, no copy into ``buffer`` first); the
+        returned work's wait leaves the sum in ``buffer``."""
+        mine = buffer if source is None else source
         peer = self._pool.empty(tuple(buffer.shape), buffer.dtype, buffer.device)
-        work = self._launch(peer.view(-1), buffer.reshape(-1))
-        return Exchange(work, buffer, peer, self._rank == 0)
+        work = self._launch(peer.view(-1), mine.reshape(-1))
+        return Exchange(work, buffer, peer, self._rank == 0, mine.view(buffer.shape))
 
     def gather(self, rows: torch.Tensor, header: torch.Tensor) -> Any:
         """Launches the all-gather of flat ``header`` into ``rows`` (worker ``w``'s at

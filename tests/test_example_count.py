@@ -300,9 +300,9 @@ def _passes(passes: int, reduces: bool) -> dict:
     calls = cross_call.CrossWorkerCalls
     originals = calls._launch, calls._gather_rows, calls.call, calls.launch
 
-    def launching(self, wire, data, fill=None):
+    def launching(self, wire, data, fill=None, sources=()):
         counts["data"] += len(data)
-        return originals[0](self, wire, data, fill)
+        return originals[0](self, wire, data, fill, sources)
 
     def gathering(self, *args):
         counts["header"] += 1

@@ -2,7 +2,7 @@
 for every dtype it takes (a NaN where Gloo's is one), on inputs with infinities,
 signed zeros, subnormals and values far apart in magnitude; the same bits on both
 workers where a NaN meets a NaN; waited for across the watch's polls; used for SUM
-only, and only on two workers; a header's all-gather as an exchange too."""
+only, and only on two workers."""
 
 from __future__ import annotations
 
@@ -73,12 +73,6 @@ def _compare_with_all_reduce() -> dict[str, Any]:
                 same = bool((nan == expected.isnan()).all()) if dtype.is_floating_point else True
                 out[f"{dtype}/{n}"] = (same and _bits(got[~nan]) == _bits(expected[~nan]),
                                        _bits(got)[:20])
-        header = torch.arange(7, dtype=torch.int64) * (rank + 3) - 2**40  # (a header row)
-        rows, expected_rows = torch.empty(14, dtype=torch.int64), torch.empty(14,
-                                                                              dtype=torch.int64)
-        pair.gather(rows, header).wait()
-        dist.all_gather(list(expected_rows.view(2, 7)), header)
-        out["gather"] = (rows.tolist() == expected_rows.tolist(), rows.tolist())
         nan = torch.tensor([float("nan"), 1.0, float("nan")])  # payloads differ by rank
         nan.view(torch.int32)[0] += rank + 1
         launch(nan).wait()

@@ -62,8 +62,8 @@ class CrossWorkerCalls:
         self._keys: dict[tuple[Any, ...], tuple[str, int]] = {}
         self._host = wire.torch_device.type == "cpu"  # trailers written as raw bytes
         self._direct = _direct_all_reduce(group)
-        # Two workers on Gloo: a SUM and a header's gather are one exchange each
-        # (`exchange`), the SUM bitwise the same as the all-reduce's
+        # Two workers on Gloo: a SUM is one exchange (`exchange`), bitwise the same as
+        # the all-reduce's; headers keep Gloo's all-gather (see `exchange.Pair`)
         self._pair = pair_exchange(group, self._world, self._host)
         self._flat_gather = True  # (see `_gather_rows`)
         self._following: tuple[int, object] = (0, "gather")  # the latest gather's (`follow`)
@@ -300,13 +300,10 @@ class CrossWorkerCalls:
 
     def _gather_rows(self, rows: torch.Tensor, header: torch.Tensor) -> Any:
         """Launches the all-gather of ``header`` into ``rows`` (worker ``w``'s row at
-        ``w * len``) -> its work: an exchange on two Gloo workers (`exchange.Pair`),
-        else one flat collective, or the list form into views of
+        ``w * len``) -> its work: one flat collective, or the list form into views of
         ``rows`` where the backend lacks the flat one (older torch's Gloo refused it at
         launch with "no support for _allgather_base", before anything was sent, alike
         on every worker)."""
-        if self._pair is not None:
-            return self._pair.gather(rows, header)
         if self._flat_gather:
             try:
                 return _GATHER_INTO(rows, header, group=self._group, async_op=True)

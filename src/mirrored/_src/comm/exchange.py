@@ -1,6 +1,5 @@
 """The SUM of two workers on Gloo as one exchange: each worker sends its whole buffer
-to the other (one ``all_to_all_single``), then adds the two in rank order, in place;
-and a header's all-gather the same way (each worker's row sent to the other).
+to the other (one ``all_to_all_single``), then adds the two in rank order, in place.
 
 Gloo's ring all-reduce takes several round trips and thread hand-offs for one call;
 between two processes on one host a 336 KiB all-reduce took about 1 ms where the
@@ -80,10 +79,16 @@ class Exchange:
 
 
 class Pair:
-    """The exchanges of a two-worker Gloo group: `sum` (a SUM's all-reduce) and
-    `gather` (a header's all-gather), each one ``all_to_all_single`` launched
-    straight on the process group (``dist.all_to_all_single`` less its per-call
-    checks), so both travel in one round trip."""
+    """The SUM of a two-worker Gloo group as an exchange (`sum`): one
+    ``all_to_all_single`` launched straight on the process group
+    (``dist.all_to_all_single`` less its per-call checks).
+
+    Only SUMs are exchanged. A header's all-gather stays Gloo's ``all_gather``: Gloo
+    matches messages by collective and call number, so a worker whose call meets
+    another call of its peer (a launched gradient bucket against a header) must not
+    meet it in the same collective, where a message larger than the receiver's
+    buffer ends the process (Gloo's "Received data size doesn't match expected
+    size"); a SUM meets a SUM only with sizes the workers agreed on."""
 
     def __init__(self, group: Any, rank: int) -> None:
         self._group = group
@@ -114,18 +119,10 @@ class Pair:
         work = self._launch(peer.view(-1), mine.reshape(-1))
         return Exchange(work, buffer, peer, self._rank == 0, mine.view(buffer.shape))
 
-    def gather(self, rows: torch.Tensor, header: torch.Tensor) -> Any:
-        """Launches the all-gather of flat ``header`` into ``rows`` (worker ``w``'s at
-        ``w * len(header)``) -> its work."""
-        n = header.numel()
-        mine, peer = (rows[:n], rows[n:]) if self._rank == 0 else (rows[n:], rows[:n])
-        mine.copy_(header)
-        return self._launch(peer, header)
-
 
 def pair_exchange(group: Any, world: int, host: bool) -> Pair | None:
-    """The `Pair` of a group where exchanges replace the all-reduce (SUM) and the
-    header's all-gather: two workers, host buffers, Gloo; else ``None``.
+    """The `Pair` of a group where an exchange replaces the all-reduce (SUM): two
+    workers, host buffers, Gloo; else ``None``.
 
     Example:
         >>> pair_exchange(None, world=3, host=True) is None

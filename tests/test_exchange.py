@@ -159,3 +159,37 @@ def test_sums_of_two_workers_are_exchanged_and_waited_for_across_polls(world: in
             else:
                 assert floats == [float(replicas)] * 1000 and ints == list(range(6))
                 assert exchanges == 0, key  # (a MAX stays Gloo's all-reduce)
+
+
+def _with_history(check: bool) -> list[Any]:
+    from mirrored._src.cluster.process_group import Job, JobSpec
+    rank = int(os.environ["RANK"])
+    job = Job.start(JobSpec(backend="gloo", rank=rank, world_size=2,
+                            master_port=int(os.environ["MASTER_PORT"]), timeout_seconds=30))
+    try:
+        topology = Topology(devices=parse_devices(["CPU:0"]), worker_index=rank, num_workers=2)
+        comm = DistributedCommunicator(mirrored.ReductionToOneDevice(), topology, job=job,
+                                       check_calls=check)
+        out = []
+        # One chunk each (with the trailer when checked). (A value cut into chunks is
+        # refused with autograd history, before and after the exchange: the public
+        # calls detach their inputs.)
+        for n in (5, 300_000):
+            leaf = torch.full((n,), float(rank + 1), requires_grad=True)
+            for _ in range(2):  # (the header's call, then the predicted one)
+                x = leaf * 1  # autograd history, in grad mode
+                total = comm.reduce_packed(ReduceOp.SUM, [[x]], [topology.devices], 0)[0][0]
+                out.append((bool((total == 3.0).all()), total.requires_grad,
+                            bool((x == rank + 1).all())))
+        return out
+    finally:
+        job.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("check", [True, False])
+def test_inputs_with_autograd_history_are_summed_and_keep_the_copys_history(
+        check: bool) -> None:
+    for out in mirrored.testing.run_multi_process(_with_history, 2, args=(check,),
+                                                  timeout=100):
+        assert out == [(True, True, True)] * 4

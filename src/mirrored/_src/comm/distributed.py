@@ -173,8 +173,9 @@ class DistributedCommunicator:
                     a, b = span
                     src = source if a == 0 and b == source.numel() else source[a:b]
                     fills.append(functools.partial(_copy, dst, src))
-                    # (a chunk that is all data, no trailer: an exchange sends it as it is)
-                    sources.append(src if dst.numel() == chunk.numel() and (
+                    # (a chunk that is all data, no trailer: an exchange sends it as it is;
+                    # not with autograd history, which the copy gives the result)
+                    sources.append(src if not graph and dst.numel() == chunk.numel() and (
                         src.dtype, src.device) == (chunk.dtype, chunk.device)
                         and src.is_contiguous() else None)
         if not wire:  # (the same for every call of this plan: kept as a tuple)

@@ -9,9 +9,11 @@ two workers the ring sends half the buffer each way twice.
 
 The result is bitwise the all-reduce's: on two workers each element is one addition
 of the two workers' values (half and bfloat16 added in float32 and rounded once, as
-Gloo adds them). Only a NaN's bits may differ (an ``inf + -inf`` in bfloat16: Gloo's
-rounding keeps float32's sign of the NaN): a NaN either way. Both workers compute
-``worker 0's + worker 1's``, so they agree bit for bit, NaNs included. The choice
+Gloo adds them). Only a NaN's own bits may differ: an ``inf + -inf`` in bfloat16 or
+float16 gives a NaN whose bits depend on whether torch's vectorised loop or its scalar
+tail made it (and where the tail starts depends on the worker's thread count), so two
+workers may hold NaNs of different bits there, where Gloo sent both the same; a NaN
+either way. Both workers compute ``worker 0's + worker 1's``. The choice
 depends only on what every worker agrees on (the call's kind and dtype, the job's
 backend and size), so every worker makes the same collective.
 """
@@ -50,22 +52,25 @@ class Exchange:
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         """Waits for the peer's buffer (raises as the work's wait does), then adds it."""
-        if self._peer is None:
+        peer, mine = self._peer, self._mine
+        if peer is None or mine is None:
             return True
         done = self._work.wait() if timeout is None else self._work.wait(timeout)
         if done is False:
             return False
-        peer, self._peer = self._peer, None
-        mine, self._mine = self._mine, None
-        assert mine is not None  # (set with the peer's)
-        if self._first:
-            torch.add(mine, peer, out=self._buffer)
-        else:
-            torch.add(peer, mine, out=self._buffer)
+        # Detached, as the all-reduce writes: a buffer with autograd history (the copy
+        # of an input that requires grad) keeps the copy's history, and the add is
+        # never refused for it. Done before anything is forgotten: a failed add leaves
+        # the work unfinished, so every later wait raises again.
+        with torch.no_grad():
+            first, second = (mine, peer) if self._first else (peer, mine)
+            torch.add(first.detach(), second, out=self._buffer.detach())
+        self._peer = self._mine = None
         self._work = None  # (it holds both buffers: the peer's goes back to the pool)
         return True
 
     def is_completed(self) -> bool:
+        """Whether the transfer is done (the sum is made by the next `wait`)."""
         return self._peer is None or bool(self._work.is_completed())
 
     def get_future(self) -> torch.futures.Future[Any]:

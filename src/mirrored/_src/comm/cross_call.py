@@ -65,6 +65,7 @@ class CrossWorkerCalls:
         # Two workers on Gloo: a SUM is one exchange (`exchange`), bitwise the same as
         # the all-reduce's; headers keep Gloo's all-gather (see `exchange.Pair`)
         self._pair = pair_exchange(group, self._world, self._host)
+        self.exchanges = self._pair is not None  # (a `call`'s ``sources`` can be read)
         self._flat_gather = True  # (see `_gather_rows`)
         self._following: tuple[int, object] = (0, "gather")  # the latest gather's (`follow`)
 

@@ -152,7 +152,8 @@ class DistributedCommunicator:
             t.requires_grad for leaves in per_replica for t in leaves)
         slot = make(kept=False, pooled=False) if graph else self._slot(slots, make)
         data, fills, views = [], [], []
-        sources: list[torch.Tensor | None] = []
+        sources: list[torch.Tensor | None] = []  # (only where an exchange could read them)
+        as_is = self._calls.exchanges and not graph  # (history: the copy gives the result)
         for index, (members, parts) in enumerate(zip(packs, slot.parts, strict=True)):
             payload, shaped = slot.results(index, make.leaves[index])
             views.append((payload, shaped))
@@ -173,9 +174,8 @@ class DistributedCommunicator:
                     a, b = span
                     src = source if a == 0 and b == source.numel() else source[a:b]
                     fills.append(functools.partial(_copy, dst, src))
-                    # (a chunk that is all data, no trailer: an exchange sends it as it is;
-                    # not with autograd history, which the copy gives the result)
-                    sources.append(src if not graph and dst.numel() == chunk.numel() and (
+                    # (a chunk that is all data, no trailer: an exchange sends it as it is)
+                    sources.append(src if as_is and dst.numel() == chunk.numel() and (
                         src.dtype, src.device) == (chunk.dtype, chunk.device)
                         and src.is_contiguous() else None)
         if not wire:  # (the same for every call of this plan: kept as a tuple)

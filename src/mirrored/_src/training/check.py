@@ -211,8 +211,8 @@ class GradientWatch:
         """
         if self.crossed[0] is not None:
             (running, copy), self.crossed[0] = self.crossed[0], None
-            for i in range(len(self.fresh)):  # (another replica's backward may have noted
-                self.clear(i)  # records on a copy whose own step already ended)
+            self.clear_all()  # (another replica's backward may have noted records on a
+            # copy whose own step already ended)
             raise ReplicaDivergenceError(crossed_message(self._ids[running], self._ids[copy]))
         if not self.fresh[r]:
             return []
@@ -229,6 +229,11 @@ class GradientWatch:
         gradients alive into the next."""
         self.fresh[r] = False
         self.seen[r] = self._none[r]
+
+    def clear_all(self) -> None:
+        """Forgets every replica's records (a step that failed as a whole)."""
+        for r in range(len(self.fresh)):
+            self.clear(r)
 
     def settle(self, r: int, names: Sequence[str], replica: Callable[[], int],
                replicas: int) -> None:

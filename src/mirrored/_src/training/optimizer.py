@@ -205,8 +205,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
                     # of every local replica: the run failed as a whole, and a replica's
                     # backward that reached another's copy may have left records there
                     # after that replica's own step had failed
-                    for i in range(len(watch.fresh)):
-                        watch.clear(i)
+                    watch.clear_all()
                 raise
             return
         if self._watch is not None:

@@ -299,6 +299,57 @@ def test_a_call_that_meets_a_launched_bucket_is_a_mismatch_and_its_data_unused()
     assert max(freed) < 10.0, freed
 
 
+def _worker_skip(skipper: int, dtype: torch.dtype) -> tuple[str, list[torch.Tensor]]:
+    overlap_module.DEFAULT_BUCKET_BYTES = 256
+    strategy = mirrored.MultiWorkerMirroredStrategy(
+        communication_options=CommunicationOptions(timeout_seconds=12), devices=["CPU:0"],
+        failure_timeout_seconds=4.0)
+    worker = strategy.cluster_resolver.worker_index
+    model = strategy.mirror(Net(torch.float32))
+    opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1), overlap=True)
+
+    def step(skip: bool) -> None:
+        if not skip:  # every step, but worker `skipper` skips it once
+            mirrored.get_replica_context().all_reduce("SUM", torch.ones(3, dtype=dtype))
+        loss = model(torch.ones(4, 6)).sum(1)
+        mirrored.compute_average_loss(loss, global_batch_size=8).backward()
+        opt.step()
+        opt.zero_grad()
+
+    outcome = "no error"
+    try:
+        for index in range(6):
+            strategy.run(step, args=(worker == skipper and index == 3,))
+    except Exception as error:
+        outcome = f"{type(error).__name__}: {error}"
+    params = [p.detach().clone() for p in model.parameters()]
+    strategy.close()
+    return outcome, params
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("skipper", "dtype"), [(0, torch.float32), (1, torch.float32),
+                                                (1, torch.bfloat16)])
+def test_a_worker_that_skips_the_predicted_call_for_a_bucket_is_a_mismatch(
+        skipper: int, dtype: torch.dtype) -> None:
+    # Every worker predicted the all-reduce; worker `skipper` launched its first bucket
+    # there instead. Sent as it was, the bucket met the peer's all-reduce in one
+    # collective of other sizes: Gloo ended the peer's process ("Received data size
+    # doesn't match expected size"). It now meets it with the predicted sizes and a
+    # miss (bfloat16: in the header), and both settle in a header round.
+    results = mirrored.testing.run_multi_process(_worker_skip, 2, args=(skipper, dtype),
+                                                 timeout=100)
+    for outcome, _ in results:
+        assert outcome.startswith("CollectiveMismatchError: workers made different calls"), \
+            outcome
+        assert f"worker {skipper}: MirroredOptimizer.step: SUM of gradient bucket 1 of" \
+            in outcome, outcome
+        assert f"worker {1 - skipper}: ReplicaContext.all_reduce(SUM of " \
+            f"{str(dtype).removeprefix('torch.')}[3])" in outcome, outcome
+    assert_bitwise(results[0][1], results[1][1])  # no step of it applied on either
+
+
 def _worker_interrupted_with_a_bucket_in_flight(flag: str) -> tuple[str, float, int, int]:
     # Step 1: worker 1's step raises in forward; worker 0's raises after backward, which
     # launched gradient buckets worker 1 never joins. No collective failed (nothing is

@@ -124,15 +124,9 @@ class CrossWorkerCalls:
                                         self._launch(wire, data, fill, sources), seq, text)
                     if not any(r[2] for r in table):
                         return self._verified(table, seq, text)
-            else:  # zeros of the agreed sizes, so that every worker sends what it expects
-                dummy = [torch.zeros(n, dtype=getattr(torch, d.removeprefix("torch.")),
-                                     device=self._wire.torch_device) for _, d, n in agreed]
-                if codec is not None:
-                    trailer.write(dummy[0], agreed[0][0], self._world, (ident, 0, 1))
-                    self.watch.wait(self._launch(agreed, dummy), seq, text)
-                else:
-                    self._round(self._row(ident, predicted, flag, value, sizes, miss=1),
-                                self._launch(agreed, dummy), seq, text)
+            else:
+                self._miss(agreed, ident, self._row(ident, predicted, flag, value, sizes, miss=1),
+                           seq, text)
         # The header first, then the data: the call is completed only after its data
         # step (a gather's, whose sizes the header gave: `follow`), so that a worker
         # leaving there is named as inside it.
@@ -171,17 +165,27 @@ class CrossWorkerCalls:
         key, key_hash = keyed
         index = ledger.index + 1
         seq, prediction = ledger.enter(key, wire)
-        ledger.agreed = None  # this call's sizes were agreed another way
+        agreed, ledger.agreed = ledger.agreed, None  # (this call's sizes: by its plan)
         text = f"{short(what)} (collective {index} {ledger.phase_text()})"
         if self._job is not None:
             self._job.note_progress(seq, ledger.completed)  # (launched calls may be pending)
             self.watch.fail_if_gone(seq, text)
         codec = self._codec(wire) if self._check else None
         predicted, end, expected = 0, 0, b""
-        if codec is not None:
+        if self._check:
             ident = call_identity(key_hash, seq, ledger.run, index, ledger.examples)
             predicted = self._wire_hash(prediction) if prediction else 0
-            end, expected = self._stamp(codec, data[0], ident, predicted, 0)
+            if agreed is not None and agreed != wire:
+                # Every worker predicted another call here: a peer that makes it sends
+                # its sizes at once, and a bucket of other sizes would end its process
+                # (Gloo). Meet that call with a miss, then settle in a header round.
+                if agreed != GATHER:
+                    self._miss(agreed, ident, self._row(ident, predicted, 0, 0, (), miss=1),
+                               seq, text)
+                self._verified(self._round(self._row(ident, predicted, 0, 0, ()), [], seq,
+                                           text), seq, text, done=False)
+            if codec is not None:
+                end, expected = self._stamp(codec, data[0], ident, predicted, 0)
         return PendingCall(self._launch(wire, data), data[0], codec, end, seq, text, predicted,
                            expected)
 
@@ -198,6 +202,20 @@ class CrossWorkerCalls:
             if pending.seq == ledger.seq:  # the latest call: its prediction may stand
                 ledger.agreed = ledger.predicted if guess == pending.predicted != 0 else None
         self._done(pending.seq)
+
+    def _miss(self, agreed: Wire, ident: int, row: list[int], seq: int, text: object
+              ) -> None:
+        """Sends zeros of the ``agreed`` sizes (what every worker predicted this call
+        would send) with "miss" set, in the trailer or in the header ``row``: a peer
+        that made the predicted call meets them in one collective of the sizes it
+        expects, reads the miss, and goes on to a header round, as this worker does."""
+        dummy = [torch.zeros(n, dtype=getattr(torch, d.removeprefix("torch.")),
+                             device=self._wire.torch_device) for _, d, n in agreed]
+        if self._codec(agreed) is not None:
+            trailer.write(dummy[0], agreed[0][0], self._world, (ident, 0, 1))
+            self.watch.wait(self._launch(agreed, dummy), seq, text)
+        else:
+            self._round(row, self._launch(agreed, dummy), seq, text)
 
     def _row(self, ident: int, predicted: int, flag: int, value: int, sizes: Sequence[int],
              miss: int = 0) -> list[int]:

@@ -37,7 +37,11 @@ PYTEST_XDIST ?=
 unit: $(STAMP)
 	$(PY) -m pytest $(PYTEST_XDIST)
 
-bench: $(STAMP)
+$(VENV)/.bench: $(STAMP)
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,examples,elastic,bench]'
+	touch $(VENV)/.bench
+
+bench: $(VENV)/.bench
 	$(PY) benchmarks/bench_core.py
 	$(PY) benchmarks/bench_collectives.py
 	$(PY) benchmarks/bench_loop.py

@@ -166,6 +166,8 @@ if __name__ == "__main__":
         torch.set_num_threads(1)
         restart_worker(sys.argv[2], sys.argv[3])
         sys.exit(0)
+    import argparse  # (no options: one run of each scenario, a few minutes in all)
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()
     a = run_elastic()
     print(f"(a) elastic: survivors paused {a['pause_s']:.2f} s once (median step "
           f"{a['median_step_s']:.3f} s), redid {a['steps_redone']} step; the restarted worker "

@@ -704,10 +704,11 @@ def test_half_precision_sums_travel_with_a_header_and_a_missed_size_is_a_mismatc
 
 def _counts_then_different(comm: DistributedCommunicator, topology: Topology, final: str,
                            flat: bool) -> Any:
-    # One count (compute_average_loss's) travels in the header row itself; several
-    # counts, in an int64 all-reduce; looped with a float32 sum (its check rides in the
-    # data) and a float16 sum (header beside the data), as a training loop repeats its
-    # calls: the predictions agree from the second step on.
+    # One count (compute_average_loss's) travels in the header row itself (on two
+    # workers, an exchanged int64 SUM); several counts, in an int64 all-reduce; looped
+    # with a float32 sum (its check rides in the data) and a float16 sum (header beside
+    # the data), as a training loop repeats its calls: the predictions agree from the
+    # second step on.
     if not flat:  # a torch whose Gloo lacks the flat all-gather: header rows as a list
         from mirrored._src.comm import cross_call
 

@@ -273,24 +273,22 @@ class DistributedCommunicator:
 
     def sum_counts(self, per_replica: Sequence[Sequence[int]], what: str = "") -> list[int]:
         """Global element counts (``per_replica[r][k]``: local replica ``r``'s count of
-        value ``k``), checked like every call: one count (``compute_average_loss``'s;
-        sums and means along an axis send theirs in their own call, see
-        `collectives.call.sum_with_counts`) travels in the header row's ``value`` field (one
-        all-gather of a few int64: Gloo's ring all-reduce of a count and its
-        14-element trailer takes two rounds; see docs/multi_worker.md, "The step's
-        example count"), several in one int64 all-reduce SUM."""
+        value ``k``), checked like every call, in one int64 SUM with its trailer: one
+        exchange where two workers exchange sums (`CrossWorkerCalls.exchanges`). Else
+        one count (``compute_average_loss``'s) rides in the header's ``value``: Gloo's
+        ring takes two rounds for it (docs/multi_worker.md, "The step's example count")."""
         local = [sum(counts) for counts in zip(*per_replica, strict=True)]
-        if len(local) == 1:
-            table = self._calls.call(what or "element count of 1 value", (), [],
-                                     value=local[0])
+        what = what or ("element count of 1 value" if len(local) == 1 else
+                        f"element counts of {len(local)} values")
+        if len(local) == 1 and not self._calls.exchanges:
+            table = self._calls.call(what, (), [], value=local[0])
             return [sum(row[VALUE] for row in table)]
         extra = trailer.length("sum", torch.int64, self._topology.num_workers
                                ) if self._check else 0
         totals = torch.zeros(len(local) + extra, dtype=torch.int64,
                              device=self._wire.torch_device)
         totals[:len(local)] = torch.tensor(local, dtype=torch.int64)
-        self._calls.call(f"element counts of {len(local)} values",
-                   (("sum", "torch.int64", totals.numel()),), [totals])
+        self._calls.call(what, (("sum", "torch.int64", totals.numel()),), [totals])
         return [int(t) for t in totals[:len(local)].tolist()]
 
     def agree(self, what: str, value: int) -> list[int]:
@@ -321,15 +319,17 @@ class DistributedCommunicator:
                     m.copy_(part)
 
     def any(self, flag: bool) -> bool:
-        """Whether any worker passed ``True`` (rides in the header: one round trip).
+        """Whether any worker passed ``True``: one round trip (as `sum_counts`).
 
         Raises:
             TypeError: ``flag`` is not a bool.
         """
         if not isinstance(flag, bool):
             raise TypeError(f"flag must be a bool; got {type(flag).__name__} {flag!r}")
-        table = self._calls.call("any worker has data", (), [], flag=int(flag))
-        return any(row[3] for row in table)
+        if self._calls.exchanges:
+            return self.sum_counts([[int(flag)]], "any worker has data")[0] > 0
+        return any(row[3] for row in self._calls.call("any worker has data", (), [],
+                                                       flag=int(flag)))
 
     # ------------------------------------------------- overlapped gradients
     def overlaps(self, dtype: torch.dtype) -> bool:

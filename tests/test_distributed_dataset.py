@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader, TensorDataset
 
 import mirrored
@@ -23,6 +25,7 @@ from mirrored._src.data import (
     InputOptions,
     split_batch,
 )
+from mirrored._src.data import iterator as iterator_module
 from mirrored._src.data.input import InputReplicationMode
 from mirrored._src.data.iterator import WorkerVote
 from mirrored._src.data.prefetch import THREAD_NAME
@@ -336,7 +339,10 @@ def test_whole_element_rule_rejects_mixed_structures_and_bad_fns() -> None:
 class FakeVote:
     """A communicator's "does any worker have data" all-reduce, for workers on threads."""
 
-    def __init__(self, num_workers: int, counted: bool = False) -> None:
+    def __init__(self, num_workers: int, counted: bool = False, each: bool = False) -> None:
+        self.each = each  # also every worker's value (the window's vote)
+        self.windows: list[list[int]] = [[] for _ in range(num_workers)]
+        self._values = [0] * num_workers
         self._barrier = threading.Barrier(num_workers, timeout=10)
         self._votes = [False] * num_workers
         self.calls = [0] * num_workers
@@ -356,6 +362,17 @@ class FakeVote:
 
         return steps
 
+    def every_for(self, index: int) -> Callable[[int], list[int]]:
+        def every(value: int) -> list[int]:
+            self.windows[index].append(value)
+            self._values[index] = value
+            self._barrier.wait()
+            values = list(self._values)
+            self._barrier.wait()
+            return values
+
+        return every
+
     def for_worker(self, index: int) -> Callable[[bool], bool]:
         def any_worker(has_data: bool) -> bool:
             self.calls[index] += 1
@@ -365,12 +382,15 @@ class FakeVote:
             self._barrier.wait()
             return self._result
 
+        if self.each:
+            return WorkerVote(any_worker, self.steps_for(index), self.every_for(index))
         return WorkerVote(any_worker, self.steps_for(index)) if self.counted else any_worker
 
 
 def run_workers(make: Callable[[int, Callable[[bool], bool]], Any],
-                num_workers: int = 2, counted: bool = False) -> tuple[list[list[Any]], FakeVote]:
-    vote = FakeVote(num_workers, counted)
+                num_workers: int = 2, counted: bool = False, each: bool = False
+                ) -> tuple[list[list[Any]], FakeVote]:
+    vote = FakeVote(num_workers, counted, each)
     results: list[list[Any]] = [[] for _ in range(num_workers)]
     errors: list[BaseException] = []
 
@@ -423,6 +443,82 @@ def test_a_source_without_len_on_any_worker_makes_every_worker_vote_at_each_step
     assert [as_lists(s) for s in w0] == [[[0, 1, 2, 3]], [[8, 9, 10]]]
     assert [as_lists(s) for s in w1] == [[[4, 5, 6, 7]], [[11, 12, 13]]]
     assert (vote.agreed, vote.calls) == ([1, 1], [3, 3])
+
+
+@pytest.mark.timeout(60)
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 12), min_size=2, max_size=3),
+       ahead=st.integers(1, 4), depth=st.sampled_from(DEPTHS))
+def test_workers_without_len_vote_once_per_window_and_step_as_with_a_vote_per_step(
+        lengths: list[int], ahead: int, depth: int) -> None:
+    # Worker k's source (no len()) has lengths[k] global batches of one row per worker;
+    # every worker steps until the longest source ends, on empty batches after its own.
+    default, iterator_module.VOTE_AHEAD = iterator_module.VOTE_AHEAD, ahead
+    try:
+        _window_case(lengths, ahead, depth)
+    finally:
+        iterator_module.VOTE_AHEAD = default
+
+
+def _window_case(lengths: list[int], ahead: int, depth: int) -> None:
+    workers = len(lengths)
+    pulled = [0] * workers
+
+    def make(index: int, any_worker: Callable[[bool], bool]) -> DistributedDataset:
+        def source() -> Iterator[torch.Tensor]:
+            for b in range(lengths[index]):
+                pulled[index] += 1
+                yield torch.arange(b * workers, (b + 1) * workers)
+        topo = Topology(devices=parse_devices(["CPU:0"]), worker_index=index,
+                        num_workers=workers)
+        return DistributedDataset(source(), topo, options(depth), any_worker=any_worker)
+
+    results, vote = run_workers(make, workers, counted=True, each=True)
+    longest = max(lengths)
+    for k, steps in enumerate(results):
+        assert [as_lists(s) for s in steps] == [
+            [[b * workers + k]] if b < lengths[k] else [[]] for b in range(longest)]
+        assert pulled[k] == lengths[k]
+    # one vote per window of up to `ahead` steps (none after the window in which every
+    # source had ended), alike on every worker, never one per step where ahead > 1
+    assert vote.calls == [0] * workers and len({len(w) for w in vote.windows}) == 1
+    assert len(vote.windows[0]) <= -(-longest // ahead) + 1
+    # the last window's vote says every worker's source ended
+    assert all(w[-1] % 2 == 1 for w in vote.windows)
+
+
+@pytest.mark.timeout(30)
+def test_read_ahead_is_bounded_by_bytes_and_a_worker_without_batches_raises(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Steps of 4 KiB each against a 1-byte budget: one step read ahead at a time, so
+    # one vote per step (as before windows); a worker whose source is empty while
+    # another has data cannot make empty batches and says so.
+    monkeypatch.setattr(iterator_module, "VOTE_AHEAD_BYTES", 1)
+    pulled = [0, 0]
+
+    def make(index: int, any_worker: Callable[[bool], bool]) -> list[Any]:
+        def source() -> Iterator[torch.Tensor]:
+            for _ in range(3):
+                pulled[index] += 1
+                yield torch.zeros(2, 512, dtype=torch.float64)
+        topo = Topology(devices=parse_devices(["CPU:0"]), worker_index=index, num_workers=2)
+        it = iter(DistributedDataset(source(), topo, options(0), any_worker=any_worker))
+        seen = []
+        for _ in it:
+            seen.append(pulled[index])
+        return seen
+
+    results, vote = run_workers(make, 2, counted=True, each=True)
+    assert results == [[1, 2, 3], [1, 2, 3]]  # the source read one step ahead at most
+    assert [len(w) for w in vote.windows] == [4, 4]
+
+    def empty_one(index: int, any_worker: Callable[[bool], bool]) -> DistributedDataset:
+        topo = Topology(devices=parse_devices(["CPU:0"]), worker_index=index, num_workers=2)
+        source = (b for b in [torch.arange(2)] * (2 * index))  # worker 0: none
+        return DistributedDataset(source, topo, options(0), any_worker=any_worker)
+
+    with pytest.raises(RuntimeError, match="yielded no batches while other workers"):
+        run_workers(empty_one, 2, counted=True, each=True)
 
 
 @pytest.mark.timeout(30)

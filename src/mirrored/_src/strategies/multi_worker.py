@@ -160,7 +160,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         assert isinstance(comm, DistributedCommunicator)  # built by wrap above
         # (datasets whose every worker's source has a len() agree on their steps once)
         vote = WorkerVote(comm.any, functools.partial(comm.agree, "the dataset's steps"),
-                          functools.partial(comm.agree, "whether each worker has data"),
+                          functools.partial(comm.agree, "the dataset's steps read ahead"),
                           ledger.pass_ends, ledger.pass_starts)
         # (with unchecked calls a replica counting alone would meet another call unseen)
         cluster = Cluster(resolver=resolver, vote=vote, sync=comm.broadcast_from_chief,

@@ -26,9 +26,9 @@ Strategy level (``MultiWorkerMirroredStrategy``, one CPU replica per worker):
     batches), examples/s against ``DistributedDataParallel`` on the same 2 processes,
     11 rounds of one epoch each in rotating order; also the median of the per-round
     ratios with its 90 % bootstrap interval. Target: >= 1.0x (aim 1.2x). Also: its
-    source as a generator (a vote at each step, which also tells whether every
-    worker has a batch), the documented step fed tensors directly (the example count
-    summed across workers: one more collective per step), and with
+    source as a generator (a vote per window of steps read ahead, which also tells
+    whether every worker has a batch), the documented step fed tensors directly (the
+    example count summed across workers: one more collective per step), and with
     ``global_batch_size`` given (no count; not for the wide MLP).
     With ``mirror_optimizer(overlap=False)`` too (the same path for these one-bucket
     models: a second measurement of it), and the share of the bucket communication
@@ -164,7 +164,7 @@ def _training_figures(strategy: mirrored.Strategy, quick: bool, results: dict[st
 
     # The README's loop: the same global batches on every worker (each keeps its half),
     # through experimental_distribute_dataset, of a list (a len(): the workers agree on
-    # the steps once) or of a generator (no len(): a vote at each step, as before).
+    # the steps once) or of a generator (no len(): a vote per window of steps read ahead).
     shared = torch.Generator().manual_seed(12345)
     global_batches = [(torch.randn(2 * batch, 1, 8, 8, generator=shared),
                        torch.randint(0, 10, (2 * batch,), generator=shared))
@@ -370,7 +370,7 @@ def main() -> None:
               f"{r[f'{key}_dataset'] / r[f'{key}_ddp']:.2f}x; per-round median "
               f"{r[f'{key}_ratio_med']:.2f}x [90 % CI {r[f'{key}_ratio_ci_lo']:.2f}-"
               f"{r[f'{key}_ratio_ci_hi']:.2f}] (target >= 1.0x)")
-        print(f"    its source without len() (a vote at each step): "
+        print(f"    its source without len() (a vote per window of steps): "
               f"{r[f'{key}_dataset_vote'] / r[f'{key}_ddp']:.2f}x; the documented step fed "
               f"tensors (the count summed across workers): "
               f"{r[f'{key}_mirrored'] / r[f'{key}_ddp']:.2f}x; with global_batch_size given: "

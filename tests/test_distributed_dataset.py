@@ -27,8 +27,8 @@ from mirrored._src.data import (
 )
 from mirrored._src.data import iterator as iterator_module
 from mirrored._src.data.input import InputReplicationMode
-from mirrored._src.data.iterator import WorkerVote
 from mirrored._src.data.prefetch import THREAD_NAME
+from mirrored._src.data.vote import WorkerVote
 from mirrored._src.devices import parse_devices
 from mirrored._src.topology import Topology
 
@@ -448,9 +448,9 @@ def test_a_source_without_len_on_any_worker_makes_every_worker_vote_at_each_step
 @pytest.mark.timeout(60)
 @settings(max_examples=40, deadline=None)
 @given(lengths=st.lists(st.integers(1, 12), min_size=2, max_size=3),
-       ahead=st.integers(1, 4), depth=st.sampled_from(DEPTHS))
+       ahead=st.integers(1, 4), depth=st.sampled_from([None, *DEPTHS]))
 def test_workers_without_len_vote_once_per_window_and_step_as_with_a_vote_per_step(
-        lengths: list[int], ahead: int, depth: int) -> None:
+        lengths: list[int], ahead: int, depth: int | None) -> None:
     # Worker k's source (no len()) has lengths[k] global batches of one row per worker;
     # every worker steps until the longest source ends, on empty batches after its own.
     default, iterator_module.VOTE_AHEAD = iterator_module.VOTE_AHEAD, ahead
@@ -460,7 +460,7 @@ def test_workers_without_len_vote_once_per_window_and_step_as_with_a_vote_per_st
         iterator_module.VOTE_AHEAD = default
 
 
-def _window_case(lengths: list[int], ahead: int, depth: int) -> None:
+def _window_case(lengths: list[int], ahead: int, depth: int | None) -> None:
     workers = len(lengths)
     pulled = [0] * workers
 
@@ -471,10 +471,12 @@ def _window_case(lengths: list[int], ahead: int, depth: int) -> None:
                 yield torch.arange(b * workers, (b + 1) * workers)
         topo = Topology(devices=parse_devices(["CPU:0"]), worker_index=index,
                         num_workers=workers)
-        return DistributedDataset(source(), topo, options(depth), any_worker=any_worker)
+        return DistributedDataset(source(), topo, InputOptions(
+            experimental_prefetch_depth=depth), any_worker=any_worker)
 
     results, vote = run_workers(make, workers, counted=True, each=True)
     longest = max(lengths)
+    ahead = ahead if depth is None else max(1, depth)  # (an explicit depth bounds it)
     for k, steps in enumerate(results):
         assert [as_lists(s) for s in steps] == [
             [[b * workers + k]] if b < lengths[k] else [[]] for b in range(longest)]
@@ -512,13 +514,58 @@ def test_read_ahead_is_bounded_by_bytes_and_a_worker_without_batches_raises(
     assert results == [[1, 2, 3], [1, 2, 3]]  # the source read one step ahead at most
     assert [len(w) for w in vote.windows] == [4, 4]
 
-    def empty_one(index: int, any_worker: Callable[[bool], bool]) -> DistributedDataset:
+    def empty_one(index: int, any_worker: Callable[[bool], bool]) -> list[str]:
         topo = Topology(devices=parse_devices(["CPU:0"]), worker_index=index, num_workers=2)
         source = (b for b in [torch.arange(2)] * (2 * index))  # worker 0: none
-        return DistributedDataset(source, topo, options(0), any_worker=any_worker)
+        try:
+            list(DistributedDataset(source, topo, InputOptions(), any_worker=any_worker))
+        except RuntimeError as error:
+            return [str(error)]
+        return []
 
-    with pytest.raises(RuntimeError, match="yielded no batches while other workers"):
-        run_workers(empty_one, 2, counted=True, each=True)
+    results, _ = run_workers(empty_one, 2, counted=True, each=True)
+    for messages in results:  # every worker raises, at the same step
+        assert len(messages) == 1 and "has no batches on worker(s) [0] while others" in (
+            messages[0]), messages
+
+
+@pytest.mark.timeout(30)
+def test_a_source_error_comes_after_the_steps_read_before_it_and_depth_zero_reads_none_ahead(
+        ) -> None:
+    pulled = [0, 0]
+
+    def failing(index: int, any_worker: Callable[[bool], bool]) -> list[Any]:
+        def source() -> Iterator[torch.Tensor]:
+            for b in range(5):
+                pulled[index] += 1
+                yield torch.arange(2 * b, 2 * b + 2)
+            raise OSError(f"worker {index}'s file is gone")
+        topo = Topology(devices=parse_devices(["CPU:0"]), worker_index=index, num_workers=2)
+        got: list[Any] = []
+        try:
+            for step in DistributedDataset(source(), topo, InputOptions(),
+                                           any_worker=any_worker):
+                got.append(as_lists(step))
+        except OSError as error:
+            got.append(str(error))
+        return got
+
+    results, _ = run_workers(failing, 2, counted=True, each=True)
+    for k, got in enumerate(results):  # the 5 steps read before the error, then it
+        assert got == [[[2 * b + k]] for b in range(5)] + [f"worker {k}'s file is gone"]
+
+    def depth_zero(index: int, any_worker: Callable[[bool], bool]) -> list[int]:
+        def source() -> Iterator[torch.Tensor]:
+            for b in range(3):
+                pulled[index] += 1
+                yield torch.arange(2 * b, 2 * b + 2)
+        pulled[index] = 0
+        topo = Topology(devices=parse_devices(["CPU:0"]), worker_index=index, num_workers=2)
+        return [pulled[index] for _ in DistributedDataset(source(), topo, options(0),
+                                                          any_worker=any_worker)]
+
+    results, vote = run_workers(depth_zero, 2, counted=True, each=True)
+    assert results == [[1, 2, 3], [1, 2, 3]] and [len(w) for w in vote.windows] == [4, 4]
 
 
 @pytest.mark.timeout(30)

@@ -123,6 +123,37 @@ def test_two_workers_of_two_replicas_train_like_one_process():
     assert results[0] == results[1]  # the workers' copies are bitwise equal
 
 
+def _worker_windows(steps: int) -> tuple[int, dict[str, list]]:
+    from mirrored._src.comm import cross_call
+    misses = [0]
+    miss = cross_call.CrossWorkerCalls._miss
+
+    def counted(self, *args, **kwargs):
+        misses[0] += 1
+        return miss(self, *args, **kwargs)
+    cross_call.CrossWorkerCalls._miss = counted
+    strategy = mirrored.MultiWorkerMirroredStrategy(
+        communication_options=CommunicationOptions(timeout_seconds=30), devices=["CPU:0"])
+    try:
+        state = train_digits_like(strategy, steps)
+    finally:
+        strategy.close()
+    return misses[0], {k: v.tolist() for k, v in state.items()}
+
+
+@pytest.mark.timeout(120)
+def test_a_source_without_len_votes_per_window_and_trains_like_one_process():
+    # 20 steps of a generator: three windows of votes. A window's vote follows the
+    # loop's gradient call, which every worker predicted to come next: unquieted, each
+    # vote first sent zeros of the gradients' sizes (a miss) and then a header round.
+    results = mirrored.testing.run_multi_process(_worker_windows, 2, args=(20,), timeout=110)
+    expected = train_reference(20)
+    for misses, state in results:
+        assert misses == 0
+        _assert_close(state, expected)
+    assert results[0][1] == results[1][1]
+
+
 @pytest.mark.timeout(120)
 def test_one_replica_workers_keeping_their_gradients_train_like_one_process():
     # One replica per worker: the gradients go straight to the communicator, whose

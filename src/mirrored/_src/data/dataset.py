@@ -23,9 +23,10 @@ import torch
 from .. import pytree
 from ..topology import Topology
 from .input import InputContext, InputOptions, InputReplicationMode
-from .iterator import AnyWorker, DistributedIterator, WorkerVote
+from .iterator import DistributedIterator
 from .split import empty_like, flatten_element
 from .steps import close_source, global_batch_steps, pack_step
+from .vote import AnyWorker, WorkerVote
 
 __all__ = ["DistributedDataset", "DistributedDatasetsFromFunction"]
 

@@ -129,7 +129,9 @@ class InputOptions:
             splits and moves) ahead of the training loop; 0 prepares each step on the
             caller's thread when it is asked for, with no background thread. Default
             (``None``): 2 when steps are copied to CUDA devices (the copy overlaps the
-            step), else 0 (on CPU a prefetch thread only competes for the GIL).
+            step), else 0 (on CPU a prefetch thread only competes for the GIL). Across
+            workers whose sources have no ``len()``, an explicit depth ``k`` also
+            bounds the steps read ahead for their vote to ``max(1, k)`` (default 8).
         experimental_compare_batches: across workers (with checked calls), a sample of
             each global batch's integer tensors (labels, token ids; not uint8 or bool)
             rides in every later collective's identity, so workers whose sources yield

@@ -12,7 +12,7 @@ does.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import torch
@@ -23,10 +23,9 @@ from .input import InputOptions
 from .optional import DistributedOptional
 from .prefetch import InlineSteps, Prefetcher, default_depth
 from .split import empty_like
+from .vote import AnyWorker, WorkerVote
 
 __all__ = ["DistributedIterator", "DistributedOptional", "WorkerVote"]
-
-AnyWorker = Callable[[bool], bool]
 
 # Where a worker's count of steps is unknown, each worker reads up to VOTE_AHEAD steps
 # ahead of the loop (while they hold under VOTE_AHEAD_BYTES; at least one) and the
@@ -34,55 +33,6 @@ AnyWorker = Callable[[bool], bool]
 # step of the digits MLP on two workers (2026-12-03).
 VOTE_AHEAD = 8
 VOTE_AHEAD_BYTES = 32 << 20
-
-
-class WorkerVote:
-    """A multi-worker dataset's vote (the ``any_worker`` of `DistributedIterator`):
-    ``vote(has_data)`` says whether any worker has data (one collective), and
-    ``steps(count)`` gives every worker's count of steps (``-1``: unknown; one
-    collective), asked once per pass: when every count is known, no worker votes at
-    each step. ``every_worker(value)``, if given, gives every worker's int ``value``
-    (`each`, `window`). ``last_step()`` and ``first_step()``, if given, are told when a
-    pass whose steps are agreed hands out its last step and asks for the steps
-    (`CallLedger.pass_ends`: the workers' calls predict no successor in between).
-
-    Example:
-        >>> vote = WorkerVote(lambda has_data: has_data, lambda count: [count, 3],
-        ...                   lambda has_data: [int(has_data), 0])
-        >>> vote(True), vote.steps(2), vote.each(True)
-        (True, [2, 3], (True, False))
-    """
-
-    __slots__ = ("_any", "_every", "first_step", "last_step", "steps")
-
-    def __init__(self, any_worker: AnyWorker, steps: Callable[[int], list[int]],
-                 every_worker: Callable[[int], list[int]] | None = None,
-                 last_step: Callable[[], None] = lambda: None,
-                 first_step: Callable[[], None] = lambda: None) -> None:
-        self._any, self.steps, self._every = any_worker, steps, every_worker
-        self.last_step, self.first_step = last_step, first_step
-
-    def __call__(self, has_data: bool) -> bool:
-        return self._any(has_data)
-
-    @property
-    def tells_each(self) -> bool:
-        """Whether `each` can tell each worker's answer (``every_worker`` was given)."""
-        return self._every is not None
-
-    def window(self, count: int, exhausted: bool) -> list[tuple[int, bool]]:
-        """Every worker's steps read ahead and whether its source ended there (needs
-        ``every_worker``)."""
-        assert self._every is not None  # (callers check tells_each)
-        return [(v // 2, bool(v % 2)) for v in self._every(2 * count + int(exhausted))]
-
-    def each(self, has_data: bool) -> tuple[bool, bool]:
-        """The vote, as ``(any worker has data, every worker has data)``: the second
-        is ``False`` without ``every_worker``. Every worker of a pass votes the same way."""
-        if self._every is None:
-            return self._any(has_data), False
-        answers = self._every(has_data)
-        return any(answers), all(answers)
 
 
 def _empty_step(step: Any) -> Any:
@@ -172,6 +122,11 @@ class DistributedIterator:
         self._ahead: deque[Any] = deque()
         self._left = self._handed = 0
         self._final = False  # the window is the last: every source had ended
+        # Steps read ahead: VOTE_AHEAD by default; an explicit prefetch depth bounds it
+        # (0: none, a vote at each step). A source's error is held until the steps
+        # read before it are handed out.
+        self._depth = None if options.prefetch_depth is None else max(1, depth)
+        self._error: Exception | None = None
 
     def __iter__(self) -> DistributedIterator:
         return self
@@ -232,56 +187,79 @@ class DistributedIterator:
         steps as the fewest any worker still reading has (all ended: the most any has,
         and no vote after it); a worker out of batches steps on empty ones, as with a
         vote at each step."""
+        vote = self._any_worker
+        assert isinstance(vote, WorkerVote)  # (windowed only so)
         if self._left == 0:
             if self._final:  # (every source had ended at the last vote: no more steps)
                 self._left = -1
             else:
-                assert isinstance(self._any_worker, WorkerVote)  # (windowed only so)
+                vote.first_step()  # (calls predict their successors again)
                 self._read_ahead()
-                votes = self._any_worker.window(len(self._ahead), self._exhausted)
-                going = [c for c, ended in votes if not ended]
-                self._left = min(going) if going else max(c for c, _ in votes)
-                self._everyone, self._handed = min(c for c, _ in votes), 0
+                none = self._last is None and not self._ahead  # (no batch in this pass)
+                votes = vote.window(len(self._ahead), self._exhausted, none)
+                going = [c for c, ended, _ in votes if not ended]
+                self._left = min(going) if going else max(c for c, _, _ in votes)
+                self._everyone, self._handed = min(c for c, _, _ in votes), 0
                 self._final = not going
+                empty = [w for w, (_, _, none) in enumerate(votes) if none]
+                if empty and self._left:  # (every worker raises, at the same step)
+                    self._finish()
+                    raise RuntimeError(
+                        f"the dataset has no batches on worker(s) {empty} while others "
+                        "have some; a worker without any batch cannot make empty batches "
+                        "shaped like the others'. Give every worker at least one batch")
             if self._left <= 0:
                 self._finished = True
                 self._last = None
                 raise StopIteration
         self._left -= 1
         self._handed += 1
-        if self._final and self._left == 0:
-            assert isinstance(self._any_worker, WorkerVote)
-            self._any_worker.last_step()  # (the pass's last step, on every worker)
+        if self._left == 0:  # (on every worker: the window's lengths are agreed)
+            # The run of a window's last step predicts no successor: what follows is the
+            # next window's vote (or the pass's end), not the loop's next call, which a
+            # prediction would meet with zeros of that call's sizes.
+            vote.last_step()
         if self._ahead:
             step = self._ahead.popleft()
             if self._tagged and self._handed > self._everyone:
                 _untag(step)  # (a worker on empty batches: the count is not known)
             self._last = step
             return step
-        if self._last is None:
-            self._finished = True
-            raise RuntimeError(
-                "this worker's dataset yielded no batches while other workers still have "
-                "data; it cannot make empty batches shaped like theirs. Give every worker "
-                "at least one batch")
+        assert self._last is not None  # (a worker with none raised at the vote)
         return _empty_step(self._last)
 
     def _read_ahead(self) -> None:
-        """Reads steps ahead until `VOTE_AHEAD` are held, or their tensors take
-        `VOTE_AHEAD_BYTES`, or the source ends."""
+        """Reads steps ahead until `VOTE_AHEAD` (or the explicit prefetch depth) are
+        held, or their tensors take `VOTE_AHEAD_BYTES`, or the source ends. A source's
+        error is held while steps read before it wait, and raised at the next read."""
+        if self._error is not None:
+            error, self._error = self._error, None
+            self._finish()
+            raise error
+        limit = VOTE_AHEAD if self._depth is None else self._depth
         held = sum(_nbytes(step) for step in self._ahead)
-        while not self._exhausted and len(self._ahead) < VOTE_AHEAD and (
+        while not self._exhausted and len(self._ahead) < limit and (
                 not self._ahead or held < VOTE_AHEAD_BYTES):
             try:
                 step = self._next_step()
             except StopIteration:
                 self._exhausted = True
+            except Exception as error:
+                if not self._ahead:
+                    self._finish()
+                    raise
+                self._error = error  # (the steps read before it go first)
+                return
             except BaseException:
-                self._finished = True
+                self._finish()
                 raise
             else:
                 self._ahead.append(step)
                 held += _nbytes(step)
+
+    def _finish(self) -> None:
+        self._finished = True
+        self._ahead.clear()
 
     def _counted_step(self) -> Any:
         """`__next__` when every worker's count of steps is known (asked at the first):

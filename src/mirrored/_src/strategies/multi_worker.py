@@ -22,7 +22,7 @@ from ..comm.communicator import Communicator
 from ..comm.cross_device_ops import CrossDeviceOps, NcclAllReduce
 from ..comm.distributed import DistributedCommunicator
 from ..comm.selection import CommunicatorSelector
-from ..data.iterator import WorkerVote
+from ..data.vote import WorkerVote
 from ..devices import Device, parse_devices
 from ..options import CommunicationImplementation, CommunicationOptions
 from ..runtime.runtime import ThreadRuntime

@@ -299,11 +299,17 @@ def test_a_call_that_meets_a_launched_bucket_is_a_mismatch_and_its_data_unused()
     assert max(freed) < 10.0, freed
 
 
-def _worker_skip(skipper: int, dtype: torch.dtype) -> tuple[str, list[torch.Tensor]]:
+def _small_buckets_strategy() -> mirrored.MultiWorkerMirroredStrategy:
+    """Two workers' strategy for these tests: buckets of 256 bytes, a 12 s call
+    timeout, a peer gone named within 4 s."""
     overlap_module.DEFAULT_BUCKET_BYTES = 256
-    strategy = mirrored.MultiWorkerMirroredStrategy(
+    return mirrored.MultiWorkerMirroredStrategy(
         communication_options=CommunicationOptions(timeout_seconds=12), devices=["CPU:0"],
         failure_timeout_seconds=4.0)
+
+
+def _worker_skip(skipper: int, dtype: torch.dtype) -> tuple[str, list[torch.Tensor]]:
+    strategy = _small_buckets_strategy()
     worker = strategy.cluster_resolver.worker_index
     model = strategy.mirror(Net(torch.float32))
     opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1), overlap=True)
@@ -355,10 +361,7 @@ def _worker_interrupted_with_a_bucket_in_flight(flag: str) -> tuple[str, float, 
     # launched gradient buckets worker 1 never joins. No collective failed (nothing is
     # noted): the close itself finds the bucket in flight. Worker 1 stays connected
     # (its group alive) until worker 0 has closed and freed its strategy.
-    overlap_module.DEFAULT_BUCKET_BYTES = 256
-    strategy = mirrored.MultiWorkerMirroredStrategy(
-        communication_options=CommunicationOptions(timeout_seconds=12), devices=["CPU:0"],
-        failure_timeout_seconds=4.0)
+    strategy = _small_buckets_strategy()
     worker = strategy.cluster_resolver.worker_index
     model = strategy.mirror(Net(torch.float32))
     held = {"model": model, "opt": strategy.mirror_optimizer(

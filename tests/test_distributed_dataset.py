@@ -351,25 +351,25 @@ class FakeVote:
         self._counts = [0] * num_workers
         self.agreed = [0] * num_workers
 
+    def _agree(self, index: int, value: int, slots: list[int]) -> list[int]:
+        """Every worker's ``value`` (``comm.agree``), through ``slots``."""
+        slots[index] = value
+        self._barrier.wait()
+        values = list(slots)
+        self._barrier.wait()
+        return values
+
     def steps_for(self, index: int) -> Callable[[int], list[int]]:
         def steps(count: int) -> list[int]:
             self.agreed[index] += 1
-            self._counts[index] = count
-            self._barrier.wait()
-            counts = list(self._counts)
-            self._barrier.wait()
-            return counts
+            return self._agree(index, count, self._counts)
 
         return steps
 
     def every_for(self, index: int) -> Callable[[int], list[int]]:
         def every(value: int) -> list[int]:
             self.windows[index].append(value)
-            self._values[index] = value
-            self._barrier.wait()
-            values = list(self._values)
-            self._barrier.wait()
-            return values
+            return self._agree(index, value, self._values)
 
         return every
 

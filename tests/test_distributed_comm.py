@@ -220,6 +220,7 @@ def test_a_worker_that_leaves_early_is_a_mismatch_not_a_hang() -> None:
     status, (name, message, _) = got[0]
     assert (status, name) == ("error", "CollectiveMismatchError"), got[0]
     assert "worker 1 left after 1 collectives" in message
+    assert "or ended its loop early (an error it caught, a break)" in message
 
 
 def _die(comm: DistributedCommunicator, topology: Topology) -> Any:

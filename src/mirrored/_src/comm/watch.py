@@ -152,7 +152,8 @@ class CallWatch:
                                 for r, n in sorted(skipped.items()))
             self.fail(CollectiveMismatchError(
                 f"{listing}, but worker {me} called {text} as collective #{seq}: a worker "
-                "skipped a collective the others made"), cause)
+                "skipped a collective the others made, or ended its loop early (an error "
+                "it caught, a break) and closed its strategy"), cause)
 
     def mismatch(self, seq: int, text: object) -> NoReturn:
         mine = str(text)

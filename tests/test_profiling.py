@@ -12,6 +12,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import mirrored
+from mirrored.experimental import CommunicationOptions
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -40,7 +41,7 @@ def test_a_trace_shows_run_replicas_and_collective_waits(tmp_path: Path) -> None
     assert "mirrored.run: train_step" in names
     assert {"mirrored.replica 0: train_step", "mirrored.replica 1: train_step"} <= set(names)
     collective = [n for n in names if n.startswith("mirrored.all_reduce(SUM)")]
-    site = "test_profiling.py:22"
+    site = "test_profiling.py:23"
     # One replica waited for the other, which arrived last and combined.
     prefix = "mirrored.all_reduce(SUM)"
     assert sorted(n.split(" at ")[0] for n in collective) in (
@@ -63,3 +64,37 @@ def test_no_ranges_are_recorded_without_a_profiler(monkeypatch: pytest.MonkeyPat
     strategy.run(train_step, args=(torch.tensor(1.0),))
     assert [n for n, _ in entered if n.startswith("mirrored.")] == []
     strategy.close()
+
+
+def _profiled_worker() -> tuple[float, list[str], list[str]]:
+    strategy = mirrored.MultiWorkerMirroredStrategy(
+        communication_options=CommunicationOptions(timeout_seconds=30), devices=["CPU:0"])
+    entered: list[str] = []
+    original = torch.autograd.profiler.record_function.__enter__
+
+    def spy(self: torch.autograd.profiler.record_function) -> object:
+        entered.append(self.name)
+        return original(self)
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = strategy.run(train_step, args=(torch.tensor(1.0),))
+        names = [e.name for e in prof.events()]
+        torch.autograd.profiler.record_function.__enter__ = spy  # type: ignore[method-assign]
+        strategy.run(train_step, args=(torch.tensor(1.0),))  # no profiler: no range
+    finally:
+        torch.autograd.profiler.record_function.__enter__ = original  # type: ignore[method-assign]
+        strategy.close()
+    return (float(out), [n for n in names if n.startswith("mirrored.")],
+            [n for n in entered if n.startswith("mirrored.")])
+
+
+@pytest.mark.multiprocess
+def test_a_workers_trace_shows_where_it_waited_for_its_peers() -> None:
+    results = mirrored.testing.run_multi_process(_profiled_worker, 2, timeout=50)
+    for worker, (total, names, unprofiled) in enumerate(results):
+        assert total == 4.0 and unprofiled == []  # 2 * 1 on each of the 2 workers
+        mine = f"mirrored.cross-worker wait [worker {worker}]: "
+        waits = [n for n in names if n.startswith(mine)]
+        # (the call's first time: its header round, then its data)
+        assert waits and all("all_reduce(SUM of float32[]) at test_profiling.py:23 "
+                             "(collective 1 in run 1) (collective #1)" in w for w in waits), names

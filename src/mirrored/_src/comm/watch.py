@@ -10,6 +10,8 @@ import datetime
 import time
 from typing import Any, NoReturn
 
+import torch
+
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, WorkerFailureError
 from .call_identity import CallLedger, JobLink
 
@@ -40,6 +42,11 @@ EXAMPLES_HINT = ("the workers' runs were given batches of experimental_distribut
                  "same examples: InputOptions(experimental_compare_batches=False)")
 
 
+# Whether a profiler records on this thread (`runtime.replica_call.profiling` also reads
+# the flag of one started with profile_all_threads; comm is below runtime).
+_thread_profiled = torch._C._autograd._profiler_enabled
+
+
 def short(text: str, limit: int = 160) -> str:
     """``text``, cut to ``limit`` characters for a message."""
     return text if len(text) <= limit else text[:limit - 3] + "..."
@@ -61,7 +68,19 @@ class CallWatch:
         self._timeout = timeout
 
     def wait(self, works: list[Any], seq: int, text: object) -> None:
-        """Waits for ``works``, bounded by the timeout and watched through the job."""
+        """Waits for ``works``, bounded by the timeout and watched through the job;
+        while a profiler records, as a ``mirrored.cross-worker wait`` range naming the
+        call (a worker's trace shows where it waited for its peers)."""
+        if works and (_thread_profiled() or getattr(torch.autograd.profiler,
+                                                     "_is_profiler_enabled", False)):
+            with torch.autograd.profiler.record_function(
+                    f"mirrored.cross-worker wait [worker {self._me}]: {text} "
+                    f"(collective #{seq})"):
+                self._wait(works, seq, text)
+        else:
+            self._wait(works, seq, text)
+
+    def _wait(self, works: list[Any], seq: int, text: object) -> None:
         start = time.monotonic()
         deadline = None if self._timeout is None else start + self._timeout
         poll = self._job.poll_interval if self._job is not None else 1.0

@@ -569,6 +569,27 @@ def test_a_source_error_comes_after_the_steps_read_before_it_and_depth_zero_read
 
 
 @pytest.mark.timeout(30)
+def test_ctrl_c_in_a_source_read_ahead_is_raised_at_once_and_ends_the_pass() -> None:
+    # Unlike an error of the source (held until the steps read before it are handed
+    # out), an interrupt is raised where it happens, and the pass is over.
+    def make(index: int, any_worker: Callable[[bool], bool]) -> list[Any]:
+        def source() -> Iterator[torch.Tensor]:
+            yield torch.arange(2)
+            yield torch.arange(2, 4)
+            raise KeyboardInterrupt
+        topo = Topology(devices=parse_devices(["CPU:0"]), worker_index=index, num_workers=1)
+        it = iter(DistributedDataset(source(), topo, InputOptions(), any_worker=any_worker))
+        try:
+            next(it)
+        except KeyboardInterrupt:
+            return ["interrupted", next(it, "ended")]
+        return ["no interrupt"]
+
+    results, vote = run_workers(make, 1, counted=True, each=True)
+    assert results == [["interrupted", "ended"]] and vote.windows == [[]]
+
+
+@pytest.mark.timeout(30)
 def test_an_iterable_datasets_len_is_a_hint_so_its_workers_vote() -> None:
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):

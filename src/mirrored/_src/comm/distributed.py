@@ -319,8 +319,7 @@ class DistributedCommunicator:
                     m.copy_(part)
 
     def any(self, flag: bool) -> bool:
-        """Whether any worker passed ``True`` (rides in the header: one round trip; as
-        an exchanged SUM it measured no faster at the dataset's step).
+        """Whether any worker passed ``True`` (rides in the header: one round trip).
 
         Raises:
             TypeError: ``flag`` is not a bool.

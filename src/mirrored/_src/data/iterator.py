@@ -153,12 +153,11 @@ class DistributedIterator:
                 raise
             else:
                 if self._any_worker is not None:
-                    if not self._vote(True)[1] and self._tagged:
-                        _untag(step)  # (a worker on empty batches: the count is not known)
+                    self._any_worker(True)
                     self._last = step
                 return step
         # This worker's data ran out; others may still have some.
-        if self._any_worker is None or not self._vote(False)[0]:
+        if self._any_worker is None or not self._any_worker(False):
             self._finished = True
             self._last = None
             raise StopIteration
@@ -170,16 +169,6 @@ class DistributedIterator:
             )
         return _empty_step(self._last)
 
-    def _vote(self, has_data: bool) -> tuple[bool, bool]:
-        """This step's vote: whether any worker has data, and whether every worker does
-        (known only where the steps carry their counts: `WorkerVote.each`)."""
-        vote = self._any_worker
-        if self._tagged:
-            assert isinstance(vote, WorkerVote)  # (tagged only so)
-            return vote.each(has_data)
-        assert vote is not None  # (callers check)
-        return vote(has_data), False
-
     def _window_step(self) -> Any:
         """`__next__` where some worker's count of steps is unknown: at a window's
         start every worker reads ahead (`_read_ahead`) and they vote once on how many
@@ -190,25 +179,9 @@ class DistributedIterator:
         vote = self._any_worker
         assert isinstance(vote, WorkerVote)  # (windowed only so)
         if self._left == 0:
-            if self._final:  # (every source had ended at the last vote: no more steps)
-                self._left = -1
-            else:
-                vote.first_step()  # (calls predict their successors again)
-                self._read_ahead()
-                none = self._last is None and not self._ahead  # (no batch in this pass)
-                votes = vote.window(len(self._ahead), self._exhausted, none)
-                going = [c for c, ended, _ in votes if not ended]
-                self._left = min(going) if going else max(c for c, _, _ in votes)
-                self._everyone, self._handed = min(c for c, _, _ in votes), 0
-                self._final = not going
-                empty = [w for w, (_, _, none) in enumerate(votes) if none]
-                if empty and self._left:  # (every worker raises, at the same step)
-                    self._finish()
-                    raise RuntimeError(
-                        f"the dataset has no batches on worker(s) {empty} while others "
-                        "have some; a worker without any batch cannot make empty batches "
-                        "shaped like the others'. Give every worker at least one batch")
-            if self._left <= 0:
+            if not self._final:  # (final: every source had ended at the last vote)
+                self._vote_window(vote)
+            if self._left == 0:
                 self._finished = True
                 self._last = None
                 raise StopIteration
@@ -227,6 +200,26 @@ class DistributedIterator:
             return step
         assert self._last is not None  # (a worker with none raised at the vote)
         return _empty_step(self._last)
+
+    def _vote_window(self, vote: WorkerVote) -> None:
+        """Reads ahead and votes: sets the window's steps (`_left`), the steps every
+        worker has (`_everyone`) and whether it is the last (`_final`)."""
+        vote.first_step()  # (calls predict their successors again)
+        self._read_ahead()
+        none = self._last is None and not self._ahead  # (no batch in this pass)
+        votes = vote.window(len(self._ahead), self._exhausted, none)
+        going = [c for c, ended, _ in votes if not ended]
+        self._left = min(going) if going else max(c for c, _, _ in votes)
+        self._everyone, self._handed = min(c for c, _, _ in votes), 0
+        self._final = not going
+        empty = [w for w, (_, _, none) in enumerate(votes) if none]
+        if empty and self._left:  # (every worker raises, at the same step)
+            self._finish()
+            raise RuntimeError(
+                f"the dataset has no batches on worker(s) {empty} while others have "
+                f"some (steps each worker read ahead: {[c for c, _, _ in votes]}); a "
+                "worker without any batch cannot make empty batches shaped like the "
+                "others'. Give every worker at least one batch")
 
     def _read_ahead(self) -> None:
         """Reads steps ahead until `VOTE_AHEAD` (or the explicit prefetch depth) are

@@ -16,16 +16,16 @@ class WorkerVote:
     ``steps(count)`` gives every worker's count of steps (``-1``: unknown; one
     collective), asked once per pass: when every count is known, no worker votes at
     each step. ``every_worker(value)``, if given, gives every worker's int ``value``
-    (`each`, `window`). ``last_step()`` and ``first_step()``, if given, are told when a
+    (`window`). ``last_step()`` and ``first_step()``, if given, are told when a
     pass (or a voted window) whose steps are agreed hands out its last step, and
     before the steps are agreed or voted (`CallLedger.pass_ends`: the workers' calls
     predict no successor in between).
 
     Example:
         >>> vote = WorkerVote(lambda has_data: has_data, lambda count: [count, 3],
-        ...                   lambda has_data: [int(has_data), 0])
-        >>> vote(True), vote.steps(2), vote.each(True)
-        (True, [2, 3], (True, False))
+        ...                   lambda value: [value, 4 * 3])  # the peer: 3 steps read
+        >>> vote(True), vote.steps(2), vote.window(2, True, False)
+        (True, [2, 3], [(2, True, False), (3, False, False)])
     """
 
     __slots__ = ("_any", "_every", "first_step", "last_step", "steps")
@@ -42,7 +42,7 @@ class WorkerVote:
 
     @property
     def tells_each(self) -> bool:
-        """Whether `each` can tell each worker's answer (``every_worker`` was given)."""
+        """Whether `window` can tell each worker's answer (``every_worker`` was given)."""
         return self._every is not None
 
     def window(self, count: int, ended: bool, none: bool
@@ -52,11 +52,3 @@ class WorkerVote:
         assert self._every is not None  # (callers check tells_each)
         return [(v // 4, bool(v & 1), bool(v & 2))
                 for v in self._every(4 * count + 2 * none + ended)]
-
-    def each(self, has_data: bool) -> tuple[bool, bool]:
-        """The vote, as ``(any worker has data, every worker has data)``: the second
-        is ``False`` without ``every_worker``. Every worker of a pass votes the same way."""
-        if self._every is None:
-            return self._any(has_data), False
-        answers = self._every(has_data)
-        return any(answers), all(answers)

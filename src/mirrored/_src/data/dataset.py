@@ -130,7 +130,7 @@ def _check_iterable(value: Any, what: str) -> None:
 
 def _length(source: Any) -> int:
     """The number of global batches ``source`` yields, if its ``len()`` says so exactly
-    (``-1``: unknown, and the workers vote at each step). An iterable dataset's, or
+    (``-1``: unknown, and the workers vote per window of steps). An iterable dataset's, or
     a ``DataLoader``'s over one, is only a hint (each loader worker may add a partial
     batch): unknown."""
     iterable = torch.utils.data.IterableDataset
@@ -282,7 +282,7 @@ class DistributedDatasetsFromFunction:
 
     def _steps_known(self) -> int:
         """This worker's steps when the pipelines' exact ``len()`` fixes them whatever the
-        elements hold (``-1``: unknown, and the workers vote at each step): a shared
+        elements hold (``-1``: unknown, and the workers vote per window): a shared
         pipeline whose length the local replicas divide (no incomplete last step, which
         scalar elements would drop), or per-replica pipelines of one length."""
         lengths = [_length(e) for e in self._elements]

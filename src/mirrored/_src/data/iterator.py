@@ -106,7 +106,7 @@ class DistributedIterator:
         # Multi-worker: this worker's steps (``length``: its source's len(), -1 if
         # unknown; None: not asked, e.g. per-worker pipelines) and, once every worker's
         # is known (`WorkerVote.steps`, at the first step), the most of them: then no
-        # vote at each step. _total -1: not asked yet; None: vote.
+        # vote. _total -1: not asked yet; None: vote (per window, `_window_step`).
         self._length = -1 if length is None else length
         self._total: int | None = (-1 if isinstance(any_worker, WorkerVote)
                                    and length is not None else None)
@@ -257,7 +257,7 @@ class DistributedIterator:
     def _counted_step(self) -> Any:
         """`__next__` when every worker's count of steps is known (asked at the first):
         this worker's batches, then empty ones shaped like its last until the longest
-        worker's count, with no vote; a count unknown anywhere: the vote at each step."""
+        worker's count, with no vote; a count unknown anywhere: the workers vote."""
         total = self._total
         if total == -1:
             assert isinstance(self._any_worker, WorkerVote)  # (set so in __init__)

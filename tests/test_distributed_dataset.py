@@ -569,6 +569,89 @@ def test_a_source_error_comes_after_the_steps_read_before_it_and_depth_zero_read
 
 
 @pytest.mark.timeout(30)
+def test_a_held_error_waits_for_its_steps_when_another_workers_window_is_shorter(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Worker 1's steps are wide: the byte bound lets it read one at a time, so every
+    # window lasts one step while worker 0 holds three steps and its source's error:
+    # the error must wait until those three are handed out, on every window after.
+    monkeypatch.setattr(iterator_module, "VOTE_AHEAD_BYTES", 100)
+
+    got: list[list[int]] = [[], []]
+
+    def make(index: int, any_worker: Callable[[bool], bool]) -> list[Any]:
+        width = 16 if index else 1
+
+        def source() -> Iterator[torch.Tensor]:
+            for b in range(3 if index == 0 else 6):
+                yield torch.full((2, width), b)
+            if index == 0:
+                raise OSError("worker 0's record is corrupt")
+        topo = Topology(devices=parse_devices(["CPU:0"]), worker_index=index, num_workers=2)
+        for step in DistributedDataset(source(), topo, InputOptions(), any_worker=any_worker):
+            got[index].append(int(step.values[0][0, 0]))
+        return got[index]
+
+    with pytest.raises(OSError, match="worker 0's record is corrupt"):
+        run_workers(make, 2, counted=True, each=True)  # (worker 1 then meets no vote)
+    assert got == [[0, 1, 2], [0, 1, 2]]
+
+
+@pytest.mark.timeout(30)
+def test_a_slow_source_reads_one_step_per_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Reads that take longer than VOTE_AHEAD_SECONDS: a window of one step at a time,
+    # so a peer never waits in one vote for many slow reads (the collective timeout).
+    monkeypatch.setattr(iterator_module, "VOTE_AHEAD_SECONDS", 0.01)
+
+    def make(index: int, any_worker: Callable[[bool], bool]) -> list[int]:
+        def source() -> Iterator[torch.Tensor]:
+            for b in range(4):
+                if index == 1:
+                    time.sleep(0.02)
+                yield torch.arange(2 * b, 2 * b + 2)
+        topo = Topology(devices=parse_devices(["CPU:0"]), worker_index=index, num_workers=2)
+        return [int(step.values[0][0]) for step in DistributedDataset(
+            source(), topo, InputOptions(), any_worker=any_worker)]
+
+    results, vote = run_workers(make, 2, counted=True, each=True)
+    assert results == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert [len(w) for w in vote.windows] == [5, 5]  # one vote per step, and the end's
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", ["iterator", "generator", "list"])
+def test_a_new_pass_over_a_one_shot_source_starts_with_the_steps_read_ahead(
+        kind: str) -> None:
+    # One process: a second pass over iter(batches) goes on where the first stopped (a
+    # generator is closed when its pass ends: nothing after; a list starts again).
+    # Several workers read ahead for their vote, and must hand out the same steps.
+    def make_source() -> Any:
+        batches = [torch.arange(2 * b, 2 * b + 2) for b in range(6)]
+        return {"iterator": iter(batches), "generator": (b for b in batches),
+                "list": batches}[kind]
+
+    def passes(dataset: Any) -> list[list[int]]:
+        first = []
+        for step in dataset:
+            first.append(int(step.values[0][0]) if hasattr(step, "values") else int(step[0]))
+            if len(first) == 2:
+                break
+        return [first, [int(s.values[0][0]) if hasattr(s, "values") else int(s[0])
+                        for s in dataset]]
+
+    alone = passes(DistributedDataset(make_source(), topology(2)))
+
+    def make(index: int, any_worker: Callable[[bool], bool]) -> list[list[int]]:
+        topo = Topology(devices=parse_devices(["CPU:0"]), worker_index=index, num_workers=2)
+        return passes(DistributedDataset(make_source(), topo, InputOptions(),
+                                         any_worker=any_worker))
+
+    results, _ = run_workers(make, 2, counted=True, each=True)
+    second = {"iterator": [4, 6, 8, 10], "generator": [], "list": [0, 2, 4, 6, 8, 10]}[kind]
+    assert alone == [[0, 2], second]  # (replica 0's rows; replica 1's are one more)
+    assert results == [[[0, 2], second], [[1, 3], [b + 1 for b in second]]]
+
+
+@pytest.mark.timeout(30)
 def test_ctrl_c_in_a_source_read_ahead_is_raised_at_once_and_ends_the_pass() -> None:
     # Unlike an error of the source (held until the steps read before it are handed
     # out), an interrupt is raised where it happens, and the pass is over.

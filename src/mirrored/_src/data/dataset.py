@@ -23,7 +23,7 @@ import torch
 from .. import pytree
 from ..topology import Topology
 from .input import InputContext, InputOptions, InputReplicationMode
-from .iterator import DistributedIterator
+from .iterator import DistributedIterator, ReadAhead, continues
 from .split import empty_like, flatten_element
 from .steps import close_source, global_batch_steps, pack_step
 from .vote import AnyWorker, WorkerVote
@@ -195,6 +195,7 @@ class DistributedDataset:
         self._any_worker = any_worker
         self._count = (count_examples and isinstance(any_worker, WorkerVote)
                        and any_worker.tells_each)
+        self._ahead = ReadAhead() if continues(source) else None  # (see `ReadAhead`)
 
     def __iter__(self) -> DistributedIterator:
         steps = global_batch_steps(self._source, self._topology,
@@ -203,7 +204,7 @@ class DistributedDataset:
         # (the tags are kept only at the steps where every worker has data)
         return DistributedIterator(steps, self._options, self._any_worker,
                                    self._topology.torch_devices, _length(self._source),
-                                   tagged=self._count)
+                                   tagged=self._count, ahead=self._ahead)
 
     def __len__(self) -> int:
         """The number of batches of the source; `TypeError` when it has no ``len()``."""
@@ -271,6 +272,7 @@ class DistributedDatasetsFromFunction:
         self._elements = elements
         self._topology = topology
         self._any_worker = any_worker
+        self._ahead = ReadAhead() if all(map(continues, elements)) else None
 
     def __iter__(self) -> DistributedIterator:
         pipelines = _Pipelines(self._elements, self._topology,
@@ -278,7 +280,8 @@ class DistributedDatasetsFromFunction:
         steps = _whole_element_steps(pipelines, self._topology,
                                      self._options.experimental_fetch_to_device)
         return DistributedIterator(steps, self._options, self._any_worker,
-                                   self._topology.torch_devices, self._steps_known())
+                                   self._topology.torch_devices, self._steps_known(),
+                                   ahead=self._ahead)
 
     def _steps_known(self) -> int:
         """This worker's steps when the pipelines' exact ``len()`` fixes them whatever the

@@ -11,8 +11,9 @@ does.
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -25,14 +26,45 @@ from .prefetch import InlineSteps, Prefetcher, default_depth
 from .split import empty_like
 from .vote import AnyWorker, WorkerVote
 
-__all__ = ["DistributedIterator", "DistributedOptional", "WorkerVote"]
+__all__ = ["DistributedIterator", "DistributedOptional", "ReadAhead", "WorkerVote", "continues"]
 
 # Where a worker's count of steps is unknown, each worker reads up to VOTE_AHEAD steps
-# ahead of the loop (while they hold under VOTE_AHEAD_BYTES; at least one) and the
-# workers vote once for the whole window: a vote at every step took 0.6 ms of a 1.5 ms
-# step of the digits MLP on two workers (2026-12-03).
+# ahead of the loop (while they hold under VOTE_AHEAD_BYTES and the window's reads took
+# under VOTE_AHEAD_SECONDS; at least one) and the workers vote once for the whole
+# window: a vote at every step took 0.6 ms of a 1.5 ms step of the digits MLP on two
+# workers (2026-12-03). The time bound keeps a slow source's peers from waiting in one
+# vote for many of its reads (a wait the collective timeout bounds): where one read
+# takes that long, a vote per step costs nothing next to it.
 VOTE_AHEAD = 8
 VOTE_AHEAD_BYTES = 32 << 20
+VOTE_AHEAD_SECONDS = 0.05
+
+
+class ReadAhead:
+    """The steps a worker read ahead of its loop and not yet handed out, and a source
+    error held behind them. A pass over a one-shot source (an iterator: a new pass
+    continues it) leaves them to the next pass (its dataset keeps this object), as a
+    loop over the source itself would go on where it stopped; a re-iterable source
+    starts again, and its pass's are dropped with it."""
+
+    __slots__ = ("error", "steps")
+
+    def __init__(self) -> None:
+        self.steps: deque[Any] = deque()
+        self.error: Exception | None = None
+
+
+def continues(source: Any) -> bool:
+    """Whether a new pass over ``source`` goes on where the last one stopped: an
+    iterator with no ``close`` (``iter(a_list)``, ``map(...)``). A generator is closed
+    when its pass ends (the loop's own ``break`` would leave it open, but the pass's
+    end closes it, with nothing after); a re-iterable source starts again.
+
+    Example:
+        >>> continues(iter([1, 2])), continues(x for x in [1]), continues([1, 2])
+        (True, False, False)
+    """
+    return isinstance(source, Iterator) and not callable(getattr(source, "close", None))
 
 
 def _empty_step(step: Any) -> Any:
@@ -92,7 +124,8 @@ class DistributedIterator:
 
     def __init__(self, steps: Generator[Any, None, None], options: InputOptions,
                  any_worker: AnyWorker | None, devices: Sequence[torch.device] = (),
-                 length: int | None = None, tagged: bool = False) -> None:
+                 length: int | None = None, tagged: bool = False,
+                 ahead: ReadAhead | None = None) -> None:
         depth = options.prefetch_depth
         if depth is None:
             depth = default_depth(devices, options.experimental_fetch_to_device)
@@ -116,17 +149,18 @@ class DistributedIterator:
         # stepping on empty batches, leaves the count to compute_average_loss.
         self._tagged = tagged
         self._everyone = 0  # the steps every worker has (known at the agreement)
-        # A vote per window (`_window_step`): the steps read ahead, the window's steps
+        # A vote per window (`_window_step`): the steps read ahead (a one-shot source's
+        # dataset passes its own `ReadAhead`: what a pass left), the window's steps
         # left and handed out so far.
         self._windowed = isinstance(any_worker, WorkerVote) and any_worker.tells_each
-        self._ahead: deque[Any] = deque()
+        self._held = ahead if ahead is not None else ReadAhead()
+        self._ahead, self._keeps = self._held.steps, ahead is not None
         self._left = self._handed = 0
         self._final = False  # the window is the last: every source had ended
         # Steps read ahead: VOTE_AHEAD by default; an explicit prefetch depth bounds it
-        # (0: none, a vote at each step). A source's error is held until the steps
-        # read before it are handed out.
+        # (0: none, a vote at each step). A source's error is held (in `_held`) until
+        # the steps read before it are handed out.
         self._depth = None if options.prefetch_depth is None else max(1, depth)
-        self._error: Exception | None = None
 
     def __iter__(self) -> DistributedIterator:
         return self
@@ -223,16 +257,22 @@ class DistributedIterator:
 
     def _read_ahead(self) -> None:
         """Reads steps ahead until `VOTE_AHEAD` (or the explicit prefetch depth) are
-        held, or their tensors take `VOTE_AHEAD_BYTES`, or the source ends. A source's
-        error is held while steps read before it wait, and raised at the next read."""
-        if self._error is not None:
-            error, self._error = self._error, None
+        held, or their tensors take `VOTE_AHEAD_BYTES`, or these reads took
+        `VOTE_AHEAD_SECONDS`, or the source ends. A source's error is held while steps
+        read before it wait (however many windows that takes: another worker's window
+        may be shorter), and raised at the first read after them."""
+        held = self._held
+        if held.error is not None:
+            if self._ahead:  # (the vote counts these; the error comes after them)
+                return
+            error, held.error = held.error, None
             self._finish()
             raise error
         limit = VOTE_AHEAD if self._depth is None else self._depth
-        held = sum(_nbytes(step) for step in self._ahead)
-        while not self._exhausted and len(self._ahead) < limit and (
-                not self._ahead or held < VOTE_AHEAD_BYTES):
+        nbytes = sum(_nbytes(step) for step in self._ahead)
+        deadline = time.monotonic() + VOTE_AHEAD_SECONDS
+        while not self._exhausted and len(self._ahead) < limit and (not self._ahead or (
+                nbytes < VOTE_AHEAD_BYTES and time.monotonic() < deadline)):
             try:
                 step = self._next_step()
             except StopIteration:
@@ -241,18 +281,19 @@ class DistributedIterator:
                 if not self._ahead:
                     self._finish()
                     raise
-                self._error = error  # (the steps read before it go first)
+                held.error = error  # (the steps read before it go first)
                 return
             except BaseException:
                 self._finish()
                 raise
             else:
                 self._ahead.append(step)
-                held += _nbytes(step)
+                nbytes += _nbytes(step)
 
     def _finish(self) -> None:
         self._finished = True
         self._ahead.clear()
+        self._held.error = None
 
     def _counted_step(self) -> Any:
         """`__next__` when every worker's count of steps is known (asked at the first):
@@ -345,8 +386,11 @@ class DistributedIterator:
             return DistributedOptional.empty()
 
     def close(self) -> None:
-        """Ends the pass and stops the prefetch thread; later steps raise `StopIteration`."""
+        """Ends the pass and stops the prefetch thread; later steps raise `StopIteration`.
+        Steps read ahead for a vote stay for the next pass of a one-shot source (see
+        `ReadAhead`)."""
         self._finished = True
         self._last = None
-        self._ahead.clear()
+        if not self._keeps:
+            self._ahead.clear()
         self._steps.close()

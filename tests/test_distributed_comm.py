@@ -223,6 +223,28 @@ def test_a_worker_that_leaves_early_is_a_mismatch_not_a_hang() -> None:
     assert "or ended its loop early (an error it caught, a break)" in message
 
 
+def _host_leaves_early(comm: DistributedCommunicator, topology: Topology) -> Any:
+    comm.any(True)
+    if topology.worker_index == 1:  # worker 0, the store's host, has left normally
+        time.sleep(0.3)
+        start = time.monotonic()
+        try:
+            comm.any(True)
+        finally:
+            assert time.monotonic() - start < 5
+
+
+@pytest.mark.timeout(90)
+def test_the_store_host_leaving_early_is_a_mismatch_not_a_death() -> None:
+    # Its record must outlive it long enough for its peers to read (a few beats): else
+    # the store vanishes with it and they see a silent host, a failure timeout later.
+    got = _spawn(_host_leaves_early, 2, timeout_seconds=30, failure=10.0)
+    assert got[0] == ("ok", None)
+    status, (name, message, _) = got[1]
+    assert (status, name) == ("error", "CollectiveMismatchError"), got[1]
+    assert "worker 0 left after 1 collectives" in message
+
+
 def _die(comm: DistributedCommunicator, topology: Topology) -> Any:
     comm.any(True)
     if topology.worker_index == 1:

@@ -355,6 +355,48 @@ def test_a_worker_that_skips_a_step_of_identical_calls_gets_a_mismatch_error():
         assert total == 2.0
 
 
+def _mean_against_sum(call: str) -> list[str]:
+    # The same call site, a MEAN on worker 1 where worker 0 sums: a MEAN travels as a
+    # SUM of the same sizes, so only the call's name can tell them apart; each case
+    # runs twice (the first call of a site, then predicted ones after settled calls).
+    strategy = _strategy(1)
+    rank = strategy.cluster_resolver.worker_index
+    op = "MEAN" if rank == 1 else "SUM"
+    outcomes = []
+    for settle in (0, 3):
+        for _ in range(settle):
+            strategy.run(lambda: mirrored.get_replica_context().all_reduce(
+                "SUM", torch.ones(3)))
+        try:
+            if call == "all_reduce":
+                strategy.run(lambda: mirrored.get_replica_context().all_reduce(
+                    op, torch.ones(3)))
+            elif call == "all_reduce axis":
+                strategy.run(lambda: mirrored.get_replica_context().all_reduce(
+                    op, torch.ones(3), axis=0))
+            else:  # (a plain tensor would make no collective: a value of every replica)
+                value = strategy.experimental_distribute_values_from_function(
+                    lambda ctx: torch.ones(3))
+                strategy.extended.reduce_to(op, value, destinations="CPU:0")
+            outcomes.append("no error")
+        except mirrored.CollectiveMismatchError as error:
+            outcomes.append(str(error))
+            strategy.close()
+            strategy = _strategy(1)
+    strategy.close()
+    return outcomes
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("call", ["all_reduce", "all_reduce axis", "reduce_to"])
+def test_a_mean_on_one_worker_and_a_sum_on_another_is_a_mismatch(call):
+    for outcomes in mirrored.testing.run_multi_process(_mean_against_sum, 2, args=(call,),
+                                                       timeout=100):
+        for message in outcomes:
+            assert "workers made different calls as collective" in message, message
+            assert "MEAN" in message
+
+
 def _never_joins() -> str:
     strategy = mirrored.MultiWorkerMirroredStrategy(
         communication_options=CommunicationOptions(timeout_seconds=1.5), devices=["CPU:0"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["ReduceOp"]
+__all__ = ["ReduceOp", "op_label"]
 
 
 class ReduceOp(enum.Enum):
@@ -47,3 +47,18 @@ class ReduceOp(enum.Enum):
             "reduce_op must be a mirrored.ReduceOp or one of the strings "
             f"'SUM', 'MEAN', 'MIN', 'MAX'; got {type(reduce_op).__name__} {reduce_op!r}"
         )
+
+
+def op_label(label: str, op: ReduceOp) -> str:
+    """The label the workers compare (`Communicator.reduce_packed`) for a reduction by
+    ``op``: a MEAN travels as a SUM (divided after), with the same sizes and data as a
+    SUM's, so it names itself there; a MEAN on one worker and a SUM on another at the
+    same call would otherwise combine without an error, and differ.
+
+    Example:
+        >>> op_label("", ReduceOp.MEAN), op_label("x", ReduceOp.MEAN), op_label("", ReduceOp.SUM)
+        ('MEAN', 'x (MEAN)', '')
+    """
+    if op is not ReduceOp.MEAN:
+        return label
+    return f"{label} (MEAN)" if label else "MEAN"

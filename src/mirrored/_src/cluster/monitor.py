@@ -82,8 +82,8 @@ class PeerMonitor:
                 present = [r for r in self._peers if self._store.check([_key(r)])]
                 values = self._store.multi_get([_key(r) for r in present]) if present else []
             except Exception:  # the store's host (worker 0) may be gone
-                if self._stop.is_set():
-                    return
+                if self._stop.is_set() or 0 in self._left:
+                    return  # (it left, its store with it: nothing more to beat or read)
                 self._judge(time.monotonic(), store_alive=False)
                 continue
             now = self._last_read = time.monotonic()
@@ -142,7 +142,11 @@ class PeerMonitor:
         closed) keeps the store up until every peer has left or is dead, at most
         ``failure_timeout`` plus three beats: its peers read its record and the calls
         their own errors list there, so they name the dead worker rather than the host
-        whose store vanished."""
+        whose store vanished. Leaving normally, it keeps the store up until every peer
+        has left, at most three beats: a peer still running reads its record in that
+        time (each reads every beat), so if that peer then makes a collective the host
+        never joins, it is told at once that worker 0 left after its last collective,
+        not, a failure timeout later, that worker 0 died."""
         self._stop.set()
         self._thread.join()
         if announce:
@@ -150,8 +154,10 @@ class PeerMonitor:
             with contextlib.suppress(Exception):  # the store is gone already
                 self._store.set(_key(self.rank),
                                 f"exit {self.started} {self.completed} {reason or '-'} {dead}")
-            if host and (self._dead or reason or self.failed):
-                self._linger(time.monotonic() + self.failure_timeout + 3 * self.interval)
+            if host:
+                trouble = self._dead or reason or self.failed
+                self._linger(time.monotonic() + 3 * self.interval
+                             + (self.failure_timeout if trouble else 0.0))
         self._store = None  # its connection closes now
 
     def depart(self, *, host: bool) -> None:
@@ -174,7 +180,8 @@ class PeerMonitor:
             with contextlib.suppress(Exception):
                 waiting = [r for r in waiting if self._store.check([_key(r)]) and
                            not self._store.get(_key(r)).startswith(b"exit")]
-            time.sleep(self.interval / 2)
+            if waiting:  # (peers closing with this worker leave within milliseconds)
+                time.sleep(min(self.interval / 2, 0.02))
 
 
 def _parse(value: bytes) -> tuple[bytes, int, int, str, list[int]]:

@@ -17,7 +17,7 @@ from ..comm.cross_device_ops import sums_directly
 from ..comm.host import DIRECT_BYTES, combine_each
 from ..comm.watch import COUNT, DESPITE
 from ..options import CommunicationOptions
-from ..reduce_op import ReduceOp
+from ..reduce_op import ReduceOp, op_label
 from ..reduction import (
     LeafPlan,
     finish,
@@ -125,7 +125,8 @@ class AllReduce:
         if ride:
             reduced, counts = sum_with_counts(communicator, [p.partials for p in payloads],
                                               [p.counts for p in payloads],
-                                              [devices] * len(first), self.options.bytes_per_pack)
+                                              [devices] * len(first), self.options.bytes_per_pack,
+                                              op_label(self.label, self.op))
             return [Result([per_value[r] for per_value in reduced], counts)
                     for r in range(len(payloads))]
         if counts is None and direct(communicator, topology.torch_devices, payloads):
@@ -133,7 +134,7 @@ class AllReduce:
             return [Result([total], None) for total in totals]
         reduced = communicator.reduce_packed(base_op, [p.partials for p in payloads],
                                              [devices] * len(first), self.options.bytes_per_pack,
-                                             self.label)
+                                             op_label(self.label, self.op))
         return [Result([per_value[r] for per_value in reduced], counts)
                 for r in range(len(payloads))]
 

@@ -37,15 +37,18 @@ def counts_ride(parts: Parts, base_op: ReduceOp) -> bool:
 
 def sum_with_counts(communicator: Communicator, values: Sequence[Sequence[torch.Tensor]],
                     counts: Sequence[Sequence[int]], destinations: Sequence[tuple[Device, ...]],
-                    bytes_per_pack: int) -> tuple[list[list[torch.Tensor]], list[int]]:
+                    bytes_per_pack: int, label: str = ""
+                    ) -> tuple[list[list[torch.Tensor]], list[int]]:
     """``communicator.reduce_packed`` SUM of each local replica's ``values`` (one list
     per replica) and their element ``counts`` (one int per value) summed in the same
     call, as an int64 pack beside the values sent to the host that reads it: across
     workers one checked call where `Communicator.sum_counts` first would be a round
-    trip of its own. Returns the sums (as ``reduce_packed``) and the global counts."""
+    trip of its own. Returns the sums (as ``reduce_packed``) and the global counts.
+    ``label``: what the workers compare besides the values' sizes (`reduce_op.op_label`)."""
     reduced = communicator.reduce_packed(ReduceOp.SUM, [
         [*v, torch.tensor(list(c), dtype=torch.int64, device=v[0].device if v else None)]
-        for v, c in zip(values, counts, strict=True)], [*destinations, _HOST], bytes_per_pack)
+        for v, c in zip(values, counts, strict=True)], [*destinations, _HOST], bytes_per_pack,
+        label)
     totals = reduced.pop()[0]
     return reduced, [int(n) for n in totals.tolist()]
 

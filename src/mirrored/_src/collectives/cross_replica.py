@@ -16,7 +16,7 @@ import torch
 
 from .. import pytree
 from ..devices import Device, current_device
-from ..reduce_op import ReduceOp
+from ..reduce_op import ReduceOp, op_label
 from ..reduction import (
     SUM_IS_MEAN,
     LeafPlan,
@@ -176,13 +176,13 @@ def reduce(parts: Parts, reduce_op: ReduceOp | str, value: Any, axis: Any) -> An
             if counts_ride(parts, base_op):
                 totals, counts = sum_with_counts(communicator, per_replica, local_counts,
                                                  [destination] * len(jobs),
-                                                 parts.options.bytes_per_pack)
+                                                 parts.options.bytes_per_pack, op_label("", op))
             else:
                 counts = communicator.sum_counts(local_counts)
         if totals is None:
             totals = communicator.reduce_packed(base_op, per_replica,
                                                 [destination] * len(jobs),
-                                                parts.options.bytes_per_pack)
+                                                parts.options.bytes_per_pack, op_label("", op))
         for j, ((k, plan, _, _), total) in enumerate(zip(jobs, totals, strict=True)):
             divisor = topology.num_replicas_in_sync if counts is None else counts[j]
             if plan.dims is not None and plan.op in (ReduceOp.MIN, ReduceOp.MAX) and not divisor:

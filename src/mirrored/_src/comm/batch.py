@@ -16,7 +16,7 @@ import torch
 
 from .. import pytree
 from ..devices import Device
-from ..reduce_op import ReduceOp
+from ..reduce_op import ReduceOp, op_label
 from ..reduction import LeafPlan, finish, op_title, plan_components, prepare
 from ..values import DistributedValues, Mirrored, PerReplica, to_tensor
 from .communicator import Communicator
@@ -94,7 +94,8 @@ def batch_reduce(communicator: Communicator, reduce_op: ReduceOp | str,
     if jobs:
         per_replica = list(zip(*(partials for _, _, _, partials, _ in jobs), strict=True))
         reduced = communicator.reduce_packed(jobs[0][2].base_op, per_replica,
-                                             [devices for *_, devices in jobs], bytes_per_pack)
+                                             [devices for *_, devices in jobs], bytes_per_pack,
+                                             op_label("", op))
         divisor = num_replicas_in_sync or len(per_replica)
         for (out, k, plan, _, devices), totals in zip(jobs, reduced, strict=True):
             out[k] = wrap([finish(plan, t, divisor, in_place=True) for t in totals], devices)

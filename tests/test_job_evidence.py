@@ -34,6 +34,32 @@ def test_a_departed_peers_reported_death_is_believed_and_the_departed_is_not_dea
     assert store.get("heartbeat/1").decode().split(" ")[3:] == ["-", "2"]
 
 
+@pytest.mark.timeout(30)
+def test_a_peer_that_made_another_call_at_the_same_number_is_seen_diverged():
+    # Each beat carries the identities of a worker's latest collectives: a peer whose
+    # collective 6 is another call than this worker's is named, a peer that is behind
+    # (no collective 6 yet) or made the same calls is not.
+    store = dist.HashStore()
+    store.set("heartbeat/0", "9 6 5 4:a1,5:b2,6:c3")  # collective 6 was another call
+    store.set("heartbeat/2", "9 5 5 4:a1,5:b2")  # behind: not yet at 6
+    monitor = PeerMonitor(store, rank=1, world_size=3, failure_timeout=60.0)
+    try:
+        for seq, identity in [(4, 0xA1), (5, 0xB2), (6, 0xD4)]:
+            monitor.note(seq, seq - 1, identity)
+        monitor.note(6, 6)  # (completed: the identity of 6 stays)
+        deadline = time.monotonic() + 10
+        while monitor.diverged() is None and time.monotonic() < deadline:
+            time.sleep(monitor.interval)
+        assert monitor.diverged() == (6, [0])
+        store.set("heartbeat/0", "10 6 5 4:a1,5:b2,6:d4")  # the same calls after all
+        deadline = time.monotonic() + 10
+        while monitor.diverged() is not None and time.monotonic() < deadline:
+            time.sleep(monitor.interval)
+        assert monitor.diverged() is None
+    finally:
+        monitor.stop()
+
+
 def _iterate_through_tqdm() -> list[float]:
     import tqdm
 

@@ -17,11 +17,15 @@ import logging
 import sys
 import threading
 import time
+from collections import deque
 from typing import Any
 
 __all__ = ["PeerMonitor"]
 
 _log = logging.getLogger("mirrored")
+
+
+RECENT = 4  # collectives whose identities a heartbeat carries (see `PeerMonitor.diverged`)
 
 
 def _key(rank: int) -> str:
@@ -31,7 +35,9 @@ def _key(rank: int) -> str:
 class PeerMonitor:
     """Beats this worker's heartbeat into ``store`` and watches the peers' beats.
 
-    A heartbeat is ``"<count> <started> <completed>"``, or ``"exit <started>
+    A heartbeat is ``"<count> <started> <completed> <calls>"`` (``calls``: the
+    identities of its latest `RECENT` started collectives, ``seq:ident`` in hex,
+    comma-separated, or ``-``: see `diverged`), or ``"exit <started>
     <completed> <reason> <dead>"`` once a worker left (``reason``: the exception it
     left on, e.g. ``KeyboardInterrupt``, ``-`` for a normal departure; ``dead``: the
     peers it saw die, comma-separated, or ``-``; the others believe it). ``interval`` (a
@@ -65,6 +71,8 @@ class PeerMonitor:
         self._last_read = now  # when the store last answered
         self._beats = 0
         self._armed = False  # no verdicts until every peer has joined (see arm)
+        self._recent: deque[tuple[int, int]] = deque(maxlen=RECENT)  # (seq, identity)
+        self._calls: dict[int, dict[int, int]] = {}  # each peer's, as last read
         self._stop = threading.Event()
         self._beat()
         self._thread = threading.Thread(target=self._run, name="mirrored-heartbeat",
@@ -73,7 +81,30 @@ class PeerMonitor:
 
     def _beat(self) -> None:
         self._beats += 1
-        self._store.set(_key(self.rank), f"{self._beats} {self.started} {self.completed}")
+        calls = ",".join(f"{s}:{i:x}" for s, i in self._recent) or "-"
+        self._store.set(_key(self.rank),
+                        f"{self._beats} {self.started} {self.completed} {calls}")
+
+    def note(self, started: int, completed: int, identity: int = 0) -> None:
+        """This worker's counts of started and completed collectives, and the identity
+        of collective ``started`` (0: none known), published at the next beat."""
+        self.started, self.completed = started, completed
+        recent = self._recent
+        if identity and (not recent or recent[-1][0] != started):
+            recent.append((started, identity))
+
+    def diverged(self) -> tuple[int, list[int]] | None:
+        """The first of this worker's latest collectives that a peer, by its last beat,
+        made as another call (another identity at the same number), and those peers;
+        ``None``: none found. Workers that sit in different collectives wait for each
+        other until a timeout (a header's all-gather never meets a launched gradient
+        bucket's exchange); this names the disagreement within a beat or two."""
+        for seq, identity in list(self._recent):
+            peers = [r for r, calls in list(self._calls.items())
+                     if calls.get(seq, identity) != identity]
+            if peers:
+                return seq, peers
+        return None
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -90,6 +121,8 @@ class PeerMonitor:
             for r, value in zip(present, values, strict=True):
                 head, started, completed, reason, reported = _parse(value)
                 self._progress[r] = started
+                if head != b"exit":
+                    self._calls[r] = _calls(value)
                 if head == b"exit" and r not in self._left:
                     self._left[r] = (started, completed, reason)
                     _log.info("worker %d: worker %d left the job after %s collectives%s",
@@ -182,6 +215,19 @@ class PeerMonitor:
                            not self._store.get(_key(r)).startswith(b"exit")]
             if waiting:  # (peers closing with this worker leave within milliseconds)
                 time.sleep(min(self.interval / 2, 0.02))
+
+
+def _calls(value: bytes) -> dict[int, int]:
+    """A heartbeat's recent collectives: number -> identity (none from an older beat).
+
+    Example:
+        >>> _calls(b"7 12 11 11:a,12:ff"), _calls(b"7 0 0 -"), _calls(b"7 3 3")
+        ({11: 10, 12: 255}, {}, {})
+    """
+    parts = value.split(b" ")
+    if len(parts) < 4 or parts[3] == b"-":
+        return {}
+    return {int(s): int(i, 16) for s, _, i in (c.partition(b":") for c in parts[3].split(b","))}
 
 
 def _parse(value: bytes) -> tuple[bytes, int, int, str, list[int]]:

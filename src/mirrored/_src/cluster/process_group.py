@@ -218,28 +218,28 @@ class Job:
         return cls(spec, store, monitor, {k: [row[k] for row in table] for k in facts})
 
     # ---------------------------------------------- what communicators use
-    def note_progress(self, started: int, completed: int) -> None:
-        """This worker's counts of started and completed collectives (for the peers)."""
-        self._monitor.started = started
-        self._monitor.completed = completed
+    def note_progress(self, started: int, completed: int, identity: int = 0) -> None:
+        """This worker's counts of collectives, for the peers (`PeerMonitor.note`)."""
+        self._monitor.note(started, completed, identity)
+
+    def diverged(self) -> tuple[int, list[int]] | None:
+        """See `PeerMonitor.diverged`."""
+        return self._monitor.diverged()
 
     def gone(self) -> tuple[list[int], dict[int, tuple[int, int, str]]]:
         """Dead peers; peers that left -> (started, completed, the exception or "")."""
         return self._monitor.dead_peers(), self._monitor.left_peers()
 
-    def progress(self) -> dict[int, int]:
-        """Each peer's count of started collectives, as last seen."""
+    def progress(self) -> dict[int, int]:  # (each peer's started collectives, as seen)
         return self._monitor.progress()
 
     def note_failure(self) -> None:
-        """Worker 0 keeps the store up at its close (see `PeerMonitor.stop`); the
-        process group is never freed (`keep_default_group`), closed or not."""
+        """Keeps worker 0's store up at its close (`PeerMonitor.stop`) and the group."""
         self._monitor.failed = True
         keep_default_group()
 
     def share(self, topic: str, text: str, wait_seconds: float) -> dict[int, str]:
-        """Publishes ``text`` under ``topic`` and returns every worker's (those that
-        answer within ``wait_seconds`` in all), for error messages."""
+        """Every worker's ``text`` for ``topic`` (within ``wait_seconds``), for messages."""
         store, texts = self._store.store, {self.rank: text}
         with contextlib.suppress(Exception):
             store.set(f"share/{topic}/{self.rank}", text)
@@ -258,7 +258,7 @@ class Job:
         if self._closed:
             return
         self._closed = True
-        self._departure()  # tells the peers, on the exception being handled if any
+        self._departure()  # (on the exception being handled, if any)
         end_default_group(keep=self._monitor.started > self._monitor.completed)
         self._store = None
         _log.info("worker %d of %d left the job at %s", self.rank, self.world_size,

@@ -49,8 +49,14 @@ class JobLink(Protocol):
     collective_timeout: float  # the process group's own timeout
     poll_interval: float
 
-    def note_progress(self, started: int, completed: int) -> None:
-        """This worker's counts of started and completed collectives."""
+    def note_progress(self, started: int, completed: int, identity: int = 0) -> None:
+        """This worker's counts of started and completed collectives, and the identity
+        of collective ``started`` (0: unknown)."""
+        ...
+
+    def diverged(self) -> tuple[int, list[int]] | None:
+        """The first of this worker's recent collectives that some peer made as another
+        call, and those peers (``None``: none seen)."""
         ...
 
     def gone(self) -> tuple[list[int], dict[int, tuple[int, int, str]]]:

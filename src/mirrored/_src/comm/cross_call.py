@@ -94,11 +94,13 @@ class CrossWorkerCalls:
         index = ledger.index + 1
         seq, prediction = ledger.enter(key, wire)
         text = _CallText(who, what, index, ledger.in_run, ledger.run)
-        if self._job is not None:
-            self._job.note_progress(seq, ledger.completed)  # (launched calls may be pending)
-            self.watch.fail_if_gone(seq, text)
         check = self._check
         ident = call_identity(key_hash, seq, ledger.run, index, ledger.examples) if check else 0
+        if self._job is not None:
+            # (launched calls may be pending; the identity lets peers see a divergence)
+            self._job.note_progress(seq, ledger.completed, ident)
+            self.watch.started(seq, text)
+            self.watch.fail_if_gone(seq, text)
         predicted = self._wire_hash(prediction) if check and prediction else 0
         agreed, ledger.agreed = ledger.agreed, None
         if not check and wire and wire != GATHER:
@@ -167,13 +169,15 @@ class CrossWorkerCalls:
         seq, prediction = ledger.enter(key, wire)
         agreed, ledger.agreed = ledger.agreed, None  # (this call's sizes: by its plan)
         text = f"{short(what)} (collective {index} {ledger.phase_text()})"
+        ident = (call_identity(key_hash, seq, ledger.run, index, ledger.examples)
+                 if self._check else 0)
         if self._job is not None:
-            self._job.note_progress(seq, ledger.completed)  # (launched calls may be pending)
+            self._job.note_progress(seq, ledger.completed, ident)
+            self.watch.started(seq, text)
             self.watch.fail_if_gone(seq, text)
         codec = self._codec(wire) if self._check else None
         predicted, end, expected = 0, 0, b""
         if self._check:
-            ident = call_identity(key_hash, seq, ledger.run, index, ledger.examples)
             predicted = self._wire_hash(prediction) if prediction else 0
             if agreed is not None and agreed != wire:
                 # Every worker predicted another call here: a peer that makes it sends

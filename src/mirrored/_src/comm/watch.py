@@ -66,6 +66,14 @@ class CallWatch:
         self._ledger = ledger
         self._me = me
         self._timeout = timeout
+        self._texts: dict[int, object] = {}  # the latest calls' names, by number
+
+    def started(self, seq: int, text: object) -> None:
+        """Notes the name of collective ``seq`` (for a divergence found while waiting
+        for an earlier one: `JobLink.diverged`)."""
+        texts = self._texts
+        texts[seq] = text
+        texts.pop(seq - 8, None)  # (numbers rise by one a call)
 
     def wait(self, works: list[Any], seq: int, text: object) -> None:
         """Waits for ``works``, bounded by the timeout and watched through the job;
@@ -100,6 +108,11 @@ class CallWatch:
                         break
                 if self._job is not None:
                     self.fail_if_gone(seq, text)
+                    diverged = self._job.diverged()
+                    if diverged is not None:  # (peers sit in other calls: no data will come)
+                        at = diverged[0]
+                        self.mismatch(at, self._texts.get(at, text if at == seq else
+                                                          f"collective #{at}"))
                 if deadline is not None and time.monotonic() >= deadline:
                     self.fail(CollectiveTimeoutError(
                         f"worker {self._me} waited {self._timeout:g} s in "

@@ -52,7 +52,7 @@ class PeerMonitor:
     """
 
     def __init__(self, store: Any, *, rank: int, world_size: int,
-                 failure_timeout: float) -> None:
+                 failure_timeout: float, hosted_by_0: bool = True) -> None:
         self.rank = rank
         self.world_size = world_size
         self.failure_timeout = failure_timeout
@@ -61,6 +61,7 @@ class PeerMonitor:
         self.completed = 0
         self.failed = False  # this worker's communication failed (see `stop`)
         self._store = store
+        self._hosted_by_0 = hosted_by_0  # (torchrun's agent may host it instead)
         self._peers = [r for r in range(world_size) if r != rank]
         now = time.monotonic()
         self._seen: dict[int, tuple[bytes, float]] = {r: (b"", now) for r in self._peers}
@@ -81,7 +82,8 @@ class PeerMonitor:
 
     def _beat(self) -> None:
         self._beats += 1
-        calls = ",".join(f"{s}:{i:x}" for s, i in self._recent) or "-"
+        # (a copy first: the calling thread appends while this thread beats)
+        calls = ",".join(f"{s}:{i:x}" for s, i in tuple(self._recent)) or "-"
         self._store.set(_key(self.rank),
                         f"{self._beats} {self.started} {self.completed} {calls}")
 
@@ -113,7 +115,7 @@ class PeerMonitor:
                 present = [r for r in self._peers if self._store.check([_key(r)])]
                 values = self._store.multi_get([_key(r) for r in present]) if present else []
             except Exception:  # the store's host (worker 0) may be gone
-                if self._stop.is_set() or 0 in self._left:
+                if self._stop.is_set() or (self._hosted_by_0 and 0 in self._left):
                     return  # (it left, its store with it: nothing more to beat or read)
                 self._judge(time.monotonic(), store_alive=False)
                 continue
@@ -176,7 +178,7 @@ class PeerMonitor:
         ``failure_timeout`` plus three beats: its peers read its record and the calls
         their own errors list there, so they name the dead worker rather than the host
         whose store vanished. Leaving normally, it keeps the store up until every peer
-        has left, at most three beats: a peer still running reads its record in that
+        has left, at most two beats: a peer still running reads its record in that
         time (each reads every beat), so if that peer then makes a collective the host
         never joins, it is told at once that worker 0 left after its last collective,
         not, a failure timeout later, that worker 0 died."""
@@ -189,8 +191,8 @@ class PeerMonitor:
                                 f"exit {self.started} {self.completed} {reason or '-'} {dead}")
             if host:
                 trouble = self._dead or reason or self.failed
-                self._linger(time.monotonic() + 3 * self.interval
-                             + (self.failure_timeout if trouble else 0.0))
+                self._linger(time.monotonic() + (self.failure_timeout + 3 * self.interval
+                                                 if trouble else 2 * self.interval + 0.1))
         self._store = None  # its connection closes now
 
     def depart(self, *, host: bool) -> None:

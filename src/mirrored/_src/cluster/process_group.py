@@ -195,7 +195,8 @@ class Job:
         beat_store = _PrefixStore(f"mirrored/attempt-{spec.attempt}", client)
         beat_store = _PrefixStore(f"job-{store.generation}", beat_store)
         monitor = PeerMonitor(beat_store, rank=spec.rank, world_size=spec.world_size,
-                              failure_timeout=spec.failure_timeout_seconds)
+                              failure_timeout=spec.failure_timeout_seconds,
+                              hosted_by_0=not spec.agent_store)
         # Gloo's own timeout outlasts the communicators' deadlines (the job's timeout)
         # and the failure bound, so that a failed collective before it is a broken
         # connection, and one at it a timeout: told apart by time, not by its text.
@@ -217,7 +218,6 @@ class Job:
                   spec.rank, spec.world_size, spec.where, spec.attempt, store.generation)
         return cls(spec, store, monitor, {k: [row[k] for row in table] for k in facts})
 
-    # ---------------------------------------------- what communicators use
     def note_progress(self, started: int, completed: int, identity: int = 0) -> None:
         """This worker's counts of collectives, for the peers (`PeerMonitor.note`)."""
         self._monitor.note(started, completed, identity)

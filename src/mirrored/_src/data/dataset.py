@@ -22,8 +22,9 @@ import torch
 
 from .. import pytree
 from ..topology import Topology
+from .ahead import ReadAhead, continues
 from .input import InputContext, InputOptions, InputReplicationMode
-from .iterator import DistributedIterator, ReadAhead, continues
+from .iterator import DistributedIterator
 from .split import empty_like, flatten_element
 from .steps import close_source, global_batch_steps, pack_step
 from .vote import AnyWorker, WorkerVote

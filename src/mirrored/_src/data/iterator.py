@@ -12,14 +12,14 @@ does.
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import torch
 
 from .. import context, pytree
 from ..values import PerReplica
+from .ahead import ReadAhead, continues
 from .input import InputOptions
 from .optional import DistributedOptional
 from .prefetch import InlineSteps, Prefetcher, default_depth
@@ -38,33 +38,6 @@ __all__ = ["DistributedIterator", "DistributedOptional", "ReadAhead", "WorkerVot
 VOTE_AHEAD = 8
 VOTE_AHEAD_BYTES = 32 << 20
 VOTE_AHEAD_SECONDS = 0.05
-
-
-class ReadAhead:
-    """The steps a worker read ahead of its loop and not yet handed out, and a source
-    error held behind them. A pass over a one-shot source (an iterator: a new pass
-    continues it) leaves them to the next pass (its dataset keeps this object), as a
-    loop over the source itself would go on where it stopped; a re-iterable source
-    starts again, and its pass's are dropped with it."""
-
-    __slots__ = ("error", "steps")
-
-    def __init__(self) -> None:
-        self.steps: deque[Any] = deque()
-        self.error: Exception | None = None
-
-
-def continues(source: Any) -> bool:
-    """Whether a new pass over ``source`` goes on where the last one stopped: an
-    iterator with no ``close`` (``iter(a_list)``, ``map(...)``). A generator is closed
-    when its pass ends (the loop's own ``break`` would leave it open, but the pass's
-    end closes it, with nothing after); a re-iterable source starts again.
-
-    Example:
-        >>> continues(iter([1, 2])), continues(x for x in [1]), continues([1, 2])
-        (True, False, False)
-    """
-    return isinstance(source, Iterator) and not callable(getattr(source, "close", None))
 
 
 def _empty_step(step: Any) -> Any:
@@ -153,6 +126,8 @@ class DistributedIterator:
         # dataset passes its own `ReadAhead`: what a pass left), the window's steps
         # left and handed out so far.
         self._windowed = isinstance(any_worker, WorkerVote) and any_worker.tells_each
+        if ahead is not None and not ahead.claim(self):
+            ahead = None  # (another pass of this dataset is live: this one reads alone)
         self._held = ahead if ahead is not None else ReadAhead()
         self._ahead, self._keeps = self._held.steps, ahead is not None
         self._left = self._handed = 0

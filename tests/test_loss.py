@@ -302,6 +302,25 @@ def test_no_warning_when_a_replica_called_compute_average_loss_or_checks_are_off
         _step_with(two, loss_of, check="off" if case == "check off" else "cheap")
 
 
+@pytest.mark.parametrize("before", ["an evaluation", "another optimizer's training"])
+def test_earlier_compute_average_loss_calls_do_not_hide_a_mean_loss(two, before):
+    # The warning asks whether a replica called compute_average_loss for the gradients
+    # stepped: an evaluation's loss (no gradient), or calls made before this optimizer
+    # existed, are not that.
+    x = mirrored.PerReplica([torch.ones(2, 3), torch.zeros(0, 3)])
+    if before == "an evaluation":
+        model = two.mirror(torch.nn.Linear(3, 1))
+
+        def evaluate(x):
+            with torch.no_grad():
+                return mirrored.compute_average_loss(model(x).squeeze(1).pow(2))
+        two.run(evaluate, args=(x,))
+    else:
+        _step_with(two, lambda out: mirrored.compute_average_loss(out.pow(2)))
+    with pytest.warns(mirrored.LossScalingWarning, match="no replica called"):
+        _step_with(two, lambda out: out.pow(2).mean() if len(out) else out.sum())
+
+
 def test_two_optimizers_stepping_after_one_loss_do_not_warn(two):
     model = two.mirror(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)))
     first = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p[:2], lr=0.1))

@@ -72,8 +72,8 @@ def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = 
         loss = loss.to(torch.get_default_dtype())
     total = loss.sum()
     many = replica.num_replicas_in_sync > 1
-    if many:  # (a mirrored optimizer's step asks)
-        replica._parts.loss_calls[replica._index] += 1
+    if many and total.requires_grad:  # (a mirrored optimizer's step asks; an evaluation's
+        replica._parts.loss_calls[replica._index] += 1  # loss, with no gradient, is not it)
     if global_batch_size is not None:
         size = global_batch_size
         if isinstance(size, torch.Tensor) and size.dim() == 0 and not (

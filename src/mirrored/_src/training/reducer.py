@@ -114,7 +114,7 @@ class GradientReducer:
         # table (every replica reads the slots then), it compares at every step, also
         # one in which it made no such call (a skipped loss on an empty batch).
         self._divisor_seen = [False] * local
-        self._loss_calls = [0] * local  # Parts.loss_calls at the replica's last step
+        self._loss_calls = list(self._parts.loss_calls)  # (as of its last step, or now)
         if self._steps is not None:  # elastic: a presence slot per global replica, own set
             ids = self._parts.topology.replica_ids
             self._meta = tuple(torch.cat([m, (torch.arange(n, device=m.device) == g).to(m.dtype)])

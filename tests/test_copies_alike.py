@@ -208,6 +208,41 @@ def test_changes_made_on_the_mirrored_model_or_on_every_copy_train_as_one_device
         torch.optim.SGD(model.head.parameters(), lr=0.1).step()
 
 
+def _bn_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.Tanh(), nn.Linear(5, 2)).double()
+    net[1].running_mean.fill_(0.3)  # "pretrained" statistics, kept frozen
+    net[1].running_var.fill_(2.0)
+    return net
+
+
+def _freeze_batch_norm(model: nn.Module) -> None:  # the fine-tuning idiom
+    model.train()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm1d):
+            m.eval()
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_a_batch_norm_put_in_eval_mode_through_a_submodule_is_frozen_on_every_copy(sync):
+    # model.modules() outside run reaches replica 0's copy: its train / eval flags go to
+    # every copy at the next run; with sync_batch_norm the layers are still BatchNorm1d.
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    model = strategy.mirror(_bn_net(), sync_batch_norm=sync)
+    _freeze_batch_norm(model)
+    opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+    reference = _bn_net()
+    _freeze_batch_norm(reference)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    _assert_trains_alike(strategy, model, opt, reference, ref_opt, list(X.split(4)))
+    assert [c[1].training for c in model.replicas] == [False, False]
+    for k, v in reference.state_dict().items():  # the statistics stayed frozen too
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=0, atol=1e-12)
+    model.module.eval()  # DDP's idiom before an evaluation
+    strategy.run(lambda: None)
+    assert [c.training for c in model.replicas] == [False, False]
+
+
 def test_a_state_dict_loaded_with_assign_gives_every_copy_its_own_tensors():
     strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
     torch.manual_seed(5)

@@ -17,7 +17,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import context
 
-__all__ = ["MirroredBatchNorm", "convert_batch_norm"]
+__all__ = ["MirroredBatchNorm", "MirroredBatchNorm1d", "MirroredBatchNorm2d",
+           "MirroredBatchNorm3d", "convert_batch_norm"]
 
 
 class MirroredBatchNorm(_BatchNorm):
@@ -96,9 +97,27 @@ class MirroredBatchNorm(_BatchNorm):
                                                    alpha=factor)
 
 
+class MirroredBatchNorm1d(MirroredBatchNorm, nn.BatchNorm1d):
+    """`MirroredBatchNorm` that is still a ``BatchNorm1d`` (``isinstance`` tests in user
+    code, such as freezing every BatchNorm for fine-tuning, keep finding it)."""
+
+
+class MirroredBatchNorm2d(MirroredBatchNorm, nn.BatchNorm2d):
+    """`MirroredBatchNorm` that is still a ``BatchNorm2d`` (see `MirroredBatchNorm1d`)."""
+
+
+class MirroredBatchNorm3d(MirroredBatchNorm, nn.BatchNorm3d):
+    """`MirroredBatchNorm` that is still a ``BatchNorm3d`` (see `MirroredBatchNorm1d`)."""
+
+
+_KINDS: dict[type, type[MirroredBatchNorm]] = {
+    nn.BatchNorm1d: MirroredBatchNorm1d, nn.BatchNorm2d: MirroredBatchNorm2d,
+    nn.BatchNorm3d: MirroredBatchNorm3d}
+
+
 def _converted(bn: _BatchNorm) -> MirroredBatchNorm:
-    new = MirroredBatchNorm(bn.num_features, bn.eps, bn.momentum, bn.affine,
-                            bn.track_running_stats)
+    kind = next((k for base, k in _KINDS.items() if isinstance(bn, base)), MirroredBatchNorm)
+    new = kind(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats)
     # Share the parameter and buffer objects: references the user holds stay valid.
     new.weight, new.bias = bn.weight, bn.bias
     for name in ("running_mean", "running_var", "num_batches_tracked"):
@@ -114,8 +133,8 @@ def convert_batch_norm(module: nn.Module) -> nn.Module:
     Example:
         >>> import torch
         >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
-        >>> type(convert_batch_norm(net)[1]).__name__
-        'MirroredBatchNorm'
+        >>> type(convert_batch_norm(net)[1]).__name__, isinstance(net[1], torch.nn.BatchNorm1d)
+        ('MirroredBatchNorm1d', True)
     """
     if isinstance(module, _BatchNorm) and not isinstance(module, MirroredBatchNorm):
         return _converted(module)

@@ -362,7 +362,7 @@ def mirror(strategy: Strategy, module: nn.Module, *,
         >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
         >>> model = mirror(strategy, torch.nn.BatchNorm1d(3), sync_batch_norm=True)
         >>> type(model.replicas[1]).__name__
-        'MirroredBatchNorm'
+        'MirroredBatchNorm1d'
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"mirror(strategy, module) takes a torch.nn.Module; got "

@@ -7,8 +7,10 @@ are that copy's. Changes made through them would reach that copy alone and train
 another model than one device would:
 
 - ``requires_grad`` (``for p in model.encoder.parameters(): p.requires_grad = False``,
-  torch's way to freeze a part): the next ``run`` (and `mirror_optimizer`) gives every
-  copy replica 0's flags, so the copies freeze and unfreeze together. Whatever the
+  torch's way to freeze a part), and train / eval mode set on a submodule
+  (``model.encoder.eval()``, a BatchNorm frozen for fine-tuning, DDP's
+  ``model.module.eval()``): the next ``run`` (and `mirror_optimizer`) gives every copy
+  replica 0's flags, so the copies freeze and unfreeze together. Whatever the
   route, the optimizer's step sums every replica's flags in its all-reduce and
   raises before using a gradient if they differ (`frozen_message`).
 - the layout (a submodule or parameter added, replaced or removed through a
@@ -82,8 +84,9 @@ def _remember(module: Any, named: list[list[tuple[str, nn.Parameter]]]) -> None:
     module.__dict__["_owners"] = [[_owner(c, name) for name, _ in params]
                                   for c, params in zip(module._copies, named, strict=True)]
     module.__dict__["_layout_seen"] = LAYOUT[0]
-    for c in module._copies:
-        for m in c.modules():
+    module.__dict__["_modules"] = mods = [list(c.modules()) for c in module._copies]
+    for copy_modules in mods:
+        for m in copy_modules:
             key = id(m)
             if key not in _watched:
                 _watched[key] = weakref.ref(m, _forget(key))
@@ -152,6 +155,11 @@ def check_module(module: Any, *, full: bool = False) -> None:
                     "p.data = t or the same tensor assigned on every copy makes them share "
                     "it). Assign on the mirrored model itself (copied to every copy), or copy "
                     "the values into each copy (p.copy_(t))")
+    mods = module.__dict__["_modules"]  # train / eval set through a submodule: replica 0's
+    for copy_modules in mods[1:]:
+        for m0, m in zip(mods[0], copy_modules, strict=True):
+            if m.training != m0.training:
+                m.training = m0.training
     if module.__dict__["_lazy"]:  # initialized since (each copy by its own forward)
         _initialize(named, module.__dict__["_lazy"])
         module.__dict__["_lazy"] = {name for name, p in first if is_lazy(p)}

@@ -207,6 +207,43 @@ def test_survivors_of_a_killed_chief_name_only_the_chief(tmp_path):
         assert report["seconds"] < 2.0 + 0.2 * 3 + 0.5 + 8.0  # bound + load allowance
 
 
+class _SlowState:
+    """Stands for a model whose checkpoint takes longer to write than a collective's
+    timeout (a large model, a slow file system)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def state_dict(self) -> dict:
+        time.sleep(self.seconds)
+        return {"w": torch.arange(3.0)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loaded = state["w"]
+
+
+def _slow_checkpoint(directory: str) -> list:
+    strategy = mirrored.MultiWorkerMirroredStrategy(
+        communication_options=CommunicationOptions(timeout_seconds=1.5), devices=["CPU:0"])
+    try:
+        manager = mirrored.CheckpointManager(strategy, directory)
+        path = manager.save(4, {"model": _SlowState(4.0)})
+        restored = _SlowState(0.0)
+        return [str(path), manager.restore({"model": restored}), restored.loaded.tolist()]
+    finally:
+        strategy.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_checkpoint_that_takes_longer_than_the_timeout_to_write_is_saved(tmp_path):
+    # The chief writes on a thread of its own and meets the others in short rounds: the
+    # call timeout (1.5 s) bounds each round, not the 4 s write.
+    results = mirrored.testing.run_multi_process(_slow_checkpoint, 2, args=(str(tmp_path),),
+                                                 timeout=80)
+    for path, step, values in results:
+        assert (path, step, values) == (str(tmp_path / "ckpt-000000004.pt"), 4, [0, 1, 2])
+
+
 def _leaves_mid_collective() -> dict:
     strategy = _strategy(failure_timeout_seconds=10.0)
     rank = strategy.cluster_resolver.worker_index

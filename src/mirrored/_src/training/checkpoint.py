@@ -6,7 +6,11 @@ anything is written). Then the chief (worker 0, ``strategy.extended.should_check
 writes the checkpoint atomically (a temporary file in the same directory, flushed
 and fsynced, then renamed; temporary files that a killed chief left behind are
 removed), and every worker waits for it and learns whether it succeeded, so a
-checkpoint that exists is complete and every worker sees it. `restore` loads the
+checkpoint that exists is complete and every worker sees it. The chief writes on a
+thread of its own while every worker meets it in short rounds (one small collective
+every `POLL_SECONDS` while it writes): a write may take longer than a collective's
+timeout, which bounds each round, not the write; a chief that dies meanwhile is named
+by the job's heartbeat as in any collective. `restore` loads the
 newest one on every worker, after the workers agree on which one it is, so a job
 that ``torchrun --max-restarts`` restarts resumes from it.
 """
@@ -17,6 +21,7 @@ import os
 import pathlib
 import re
 import tempfile
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,6 +33,7 @@ __all__ = ["CheckpointManager"]
 
 _NAME = re.compile(r"^ckpt-(\d+)\.pt$")
 _TMP = ".tmp-ckpt-"
+POLL_SECONDS = 0.5  # how often the workers meet while the chief writes (see the module)
 
 
 def _spread(strategy: Any, value: int) -> tuple[int, int]:
@@ -124,24 +130,37 @@ class CheckpointManager:
                 f"CheckpointManager.save: the workers are at different steps ({low} to "
                 f"{high}); nothing was written. Every worker must save the same step")
         target = self.path(step)
-        failure: BaseException | None = None
-        if self.is_chief:
-            try:
-                self._write(step, objects, target)
-            except BaseException as error:  # every worker hears of it below
-                failure = error
-        _, failed = _spread(self._strategy, int(failure is not None))
-        if failure is not None:
-            raise failure
-        if failed:
+        failures: list[BaseException] = []
+        writer = None
+        if self.is_chief:  # (this thread waits below: nothing changes the objects meanwhile)
+            writer = threading.Thread(target=self._write_into, name="mirrored-checkpoint",
+                                      args=(step, objects, target, failures), daemon=True)
+            writer.start()
+        while True:  # 1: still writing, 2: failed, 0: written (the chief's; others 0)
+            if writer is not None:
+                writer.join(POLL_SECONDS)
+            status = 1 if writer is not None and writer.is_alive() else 2 if failures else 0
+            _, status = _spread(self._strategy, status)
+            if status != 1:
+                break
+        if failures:
+            raise failures[0]
+        if status == 2:
             raise RuntimeError(f"the chief failed to write the checkpoint of step {step} to "
                                f"{target}; see the chief's error")
         return target
 
-    def _write(self, step: int, objects: Mapping[str, Any], target: pathlib.Path) -> None:
+    def _write_into(self, step: int, objects: Mapping[str, Any], target: pathlib.Path,
+                    failures: list[BaseException]) -> None:
+        try:
+            state = {"step": step, "objects": {k: v.state_dict() for k, v in objects.items()}}
+            self._write(step, state, target)
+        except BaseException as error:  # (on the writer's thread: the caller raises it)
+            failures.append(error)
+
+    def _write(self, step: int, state: dict[str, Any], target: pathlib.Path) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._remove_partial()
-        state = {"step": step, "objects": {k: v.state_dict() for k, v in objects.items()}}
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=_TMP)
         try:
             with os.fdopen(fd, "wb") as f:

@@ -243,6 +243,29 @@ def test_a_batch_norm_put_in_eval_mode_through_a_submodule_is_frozen_on_every_co
     assert [c.training for c in model.replicas] == [False, False]
 
 
+def test_a_random_initializer_applied_to_the_mirrored_model_draws_as_one_model():
+    # model.apply(init) reaches every copy; with a random initializer each copy would
+    # draw its own values: they take replica 0's, which are one model's, and the
+    # caller's generator ends where one model's apply leaves it.
+    def init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight)
+            nn.init.uniform_(m.bias)
+
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2"])
+    model = strategy.mirror(_net())
+    torch.manual_seed(5)
+    model.apply(init)
+    after = torch.rand(3)
+    reference = _net()
+    torch.manual_seed(5)
+    reference.apply(init)
+    assert torch.equal(after, torch.rand(3))
+    for copy_ in model.replicas:
+        for (name, p), q in zip(copy_.named_parameters(), reference.parameters(), strict=True):
+            assert torch.equal(p, q), name
+
+
 def test_a_state_dict_loaded_with_assign_gives_every_copy_its_own_tensors():
     strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
     torch.manual_seed(5)

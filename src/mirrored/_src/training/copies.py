@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 from torch.utils.hooks import RemovableHandle
 
 from ..context import current_replica_context
@@ -231,9 +232,22 @@ class CopiesModule(nn.Module):
         return self
 
     def apply(self, fn: Callable[[nn.Module], None]) -> CopiesModule:
-        """Calls ``fn`` on every submodule of every copy (the replica's own inside ``run``)."""
-        for c in self._targets():
-            c.apply(fn)
+        """Calls ``fn`` on every submodule of every copy (the replica's own inside
+        ``run``). Outside ``run`` the copies then take replica 0's values, which drew
+        exactly what one model's ``apply`` draws (an initializer's random numbers): the
+        other copies draw from a forked generator, which the caller's never sees."""
+        targets = self._targets()
+        targets[0].apply(fn)
+        if len(targets) > 1:
+            with torch.random.fork_rng(devices=[]):
+                for c in targets[1:]:
+                    c.apply(fn)
+            with torch.no_grad():
+                first = [*targets[0].parameters(), *targets[0].buffers()]
+                for c in targets[1:]:
+                    for t0, t in zip(first, [*c.parameters(), *c.buffers()], strict=True):
+                        if not (is_lazy(t0) or is_lazy(t)) and t is not t0:
+                            t.copy_(t0)
         return self
 
     def requires_grad_(self, requires_grad: bool = True) -> CopiesModule:

@@ -243,6 +243,25 @@ def one_worker():
 
 
 @pytest.mark.timeout(60)
+def test_a_checkpoint_is_written_by_the_lowest_live_worker_when_worker_0_is_gone(tmp_path):
+    # A job of 2 whose worker 0 is lost: worker 1, the lowest live one, writes (no worker
+    # did, and save returned the path of a file that never existed).
+    lighthouse = elastic.Lighthouse(min_workers=1, join_timeout_seconds=0.2)
+    strategy = elastic.ElasticMirroredStrategy(lighthouse.address, worker_index=1,
+                                               num_workers=2, devices=DEVICES, min_workers=1)
+    try:
+        with strategy.scope():
+            net = strategy.mirror(model(0))
+        manager = mirrored.CheckpointManager(strategy, tmp_path)
+        path = manager.save(3, {"model": net})
+        assert path.exists() and manager.steps() == [3]
+        assert manager.restore({"model": net}) == 3
+    finally:
+        strategy.close()
+        lighthouse.close()
+
+
+@pytest.mark.timeout(60)
 def test_one_worker_trains_as_one_device_and_indexes_its_dataset_by_step(one_worker):
     strategy = one_worker
     with strategy.scope():

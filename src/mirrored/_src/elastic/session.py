@@ -89,9 +89,10 @@ class ElasticSession:
         return int(self._manager.num_participants())
 
     def track(self, obj: Any) -> None:
-        """Registers a mirrored module or optimizer: its ``state_dict`` goes to a
-        rejoining worker, which loads it (every worker tracks the same objects, in
-        the same order)."""
+        """Registers an object whose ``state_dict`` goes to a rejoining worker, which
+        loads it: the strategy tracks every mirrored module and optimizer; track an LR
+        scheduler, a ``GradScaler`` or an EMA model yourself (every worker tracks the
+        same objects, in the same order)."""
         self._tracked.append(obj)
 
     def feed(self, source: Any, options: Any, kind: str) -> tuple[Any, Any]:

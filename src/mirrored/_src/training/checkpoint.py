@@ -36,14 +36,20 @@ _TMP = ".tmp-ckpt-"
 POLL_SECONDS = 0.5  # how often the workers meet while the chief writes (see the module)
 
 
-def _spread(strategy: Any, value: int) -> tuple[int, int]:
+def _spread(strategy: Any, value: int, index: int = 0) -> tuple[int, int]:
     """The lowest and highest ``value`` over the workers, in one collective.
 
     A plain value is this worker's value in a multi-worker strategy, so reducing one
     is a collective every worker must reach; single-process strategies return it.
     """
-    both = strategy.reduce("MAX", torch.tensor([value, -value], dtype=torch.int64))
-    return -int(both[1]), int(both[0])
+    return _spread_and_first(strategy, value, index)[:2]
+
+
+def _spread_and_first(strategy: Any, value: int, index: int) -> tuple[int, int, int]:
+    """`_spread`, and the lowest ``index`` (a worker's) over the workers in the call:
+    an elastic job's live workers, whose lowest writes when worker 0 is gone."""
+    both = strategy.reduce("MAX", torch.tensor([value, -value, -index], dtype=torch.int64))
+    return -int(both[1]), int(both[0]), -int(both[2])
 
 
 def _check_objects(objects: Mapping[str, Any]) -> None:
@@ -92,7 +98,8 @@ class CheckpointManager:
 
     @property
     def is_chief(self) -> bool:
-        """Whether this worker writes the checkpoints."""
+        """Whether this worker writes the checkpoints (worker 0; in an elastic job
+        without it, `save` has the lowest live worker write)."""
         return bool(self._strategy.extended.should_checkpoint)
 
     def steps(self) -> list[int]:
@@ -124,7 +131,8 @@ class CheckpointManager:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise TypeError(f"step must be an int >= 0; got {step!r}")
         _check_objects(objects)
-        low, high = _spread(self._strategy, step)
+        me = self._strategy.extended._parts.topology.worker_index
+        low, high, first = _spread_and_first(self._strategy, step, me)
         if low != high:
             raise CollectiveMismatchError(
                 f"CheckpointManager.save: the workers are at different steps ({low} to "
@@ -132,7 +140,7 @@ class CheckpointManager:
         target = self.path(step)
         failures: list[BaseException] = []
         writer = None
-        if self.is_chief:  # (this thread waits below: nothing changes the objects meanwhile)
+        if me == first:  # (this thread waits below: nothing changes the objects meanwhile)
             writer = threading.Thread(target=self._write_into, name="mirrored-checkpoint",
                                       args=(step, objects, target, failures), daemon=True)
             writer.start()
@@ -192,11 +200,12 @@ class CheckpointManager:
             KeyError: the checkpoint lacks one of ``objects``' names.
         """
         _check_objects(objects)
-        if self.is_chief:
-            self._remove_partial()
         steps = self.steps()
         newest = steps[-1] if steps else -1
-        low, high = _spread(self._strategy, newest)  # every worker's, in a job
+        me = self._strategy.extended._parts.topology.worker_index
+        low, high, first = _spread_and_first(self._strategy, newest, me)  # every worker's
+        if me == first:  # (the worker that writes: see `save`)
+            self._remove_partial()
         if low != high:
             raise RuntimeError(
                 f"workers see different newest checkpoints in {self.directory} (steps "

@@ -350,3 +350,46 @@ def test_the_warning_names_the_users_line_once_per_step():
     ours = [w for w in caught if issubclass(w.category, mirrored.LossScalingWarning)]
     assert len(ours) == 1, ours  # one replica warns, not each
     assert ours[0].filename.endswith("test_loss.py"), ours[0].filename
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_a_penalty_scaled_by_scale_regularization_loss_trains_as_one_device(replicas):
+    # A term that is not per example (an L2 penalty) is added by every replica and the
+    # gradients are summed: scaled by 1/N it counts once, as on one device.
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 1).double()
+    x = torch.randn(10, 3, dtype=torch.float64)
+    y = torch.randn(10, dtype=torch.float64)
+    reference = torch.nn.Linear(3, 1).double()
+    reference.load_state_dict(net.state_dict())
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    strategy = mirrored.MirroredStrategy([f"CPU:{i}" for i in range(replicas)])
+    try:
+        model = strategy.mirror(net)
+        opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+
+        def step(x, y):
+            loss = mirrored.compute_average_loss((model(x).squeeze(1) - y) ** 2)
+            loss = loss + mirrored.scale_regularization_loss(
+                [0.01 * model.weight.pow(2).sum(), 0.02 * model.bias.pow(2).sum()])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+        for _ in range(3):
+            strategy.run(step, args=next(iter(strategy.experimental_distribute_dataset(
+                [(x, y)]))))
+            ref_opt.zero_grad()
+            (((reference(x).squeeze(1) - y) ** 2).mean() + 0.01 * reference.weight.pow(2).sum()
+             + 0.02 * reference.bias.pow(2).sum()).backward()
+            ref_opt.step()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
+    finally:
+        strategy.close()
+    cross = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    try:
+        with cross.scope(), pytest.raises(RuntimeError, match="in replica context"):
+            mirrored.scale_regularization_loss(torch.ones(()))
+    finally:
+        cross.close()

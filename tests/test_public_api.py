@@ -27,6 +27,7 @@ EXPECTED = {
     "testing",
     "ReductionToOneDevice",
     "compute_average_loss",
+    "scale_regularization_loss",
     "experimental",
     "DistributedValues",
     "Mirrored",

@@ -35,6 +35,7 @@ from ._src.errors import ReplicaDivergenceError as ReplicaDivergenceError
 from ._src.errors import StartupError as StartupError
 from ._src.errors import WorkerFailureError as WorkerFailureError
 from ._src.loss import compute_average_loss as compute_average_loss
+from ._src.loss import scale_regularization_loss as scale_regularization_loss
 from ._src.reduce_op import ReduceOp as ReduceOp
 from ._src.strategies.extended import StrategyExtended as StrategyExtended
 from ._src.strategies.mirrored import MirroredStrategy as MirroredStrategy
@@ -80,6 +81,7 @@ __all__ = [
     "testing",
     "ReductionToOneDevice",
     "compute_average_loss",
+    "scale_regularization_loss",
     "experimental",
     "DistributedValues",
     "MirroredError",

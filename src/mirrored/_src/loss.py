@@ -10,7 +10,7 @@ import torch
 from . import context
 from .values import StepExamples
 
-__all__ = ["compute_average_loss"]
+__all__ = ["compute_average_loss", "scale_regularization_loss"]
 
 
 def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = None
@@ -117,3 +117,35 @@ def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = 
     # the int is bitwise the division by the count as a tensor of total's dtype.
     average: torch.Tensor = total / replica._sum_examples(rows, note)
     return average
+
+
+def scale_regularization_loss(regularization_loss: Any) -> torch.Tensor:
+    """A loss term that is not per example (an L2 penalty on the weights, an auxiliary
+    loss over the model), divided by the number of replicas in sync (TF's
+    ``tf.nn.scale_regularization_loss``): every replica adds it to its loss and the
+    gradients are summed over the replicas, so unscaled it would count N times.
+    A list or tuple of terms is summed first.
+
+    Raises:
+        RuntimeError: called in cross-replica context.
+
+    Example:
+        >>> import torch, mirrored
+        >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> w = torch.tensor([1.0, 2.0])
+        >>> per_replica = strategy.run(
+        ...     lambda: mirrored.scale_regularization_loss(w.pow(2).sum()))
+        >>> strategy.reduce("SUM", per_replica)  # the penalty once, as on one device
+        tensor(5.)
+    """
+    replica = context.get_replica_context()
+    if replica is None:
+        raise RuntimeError("scale_regularization_loss must be called in replica context "
+                           "(inside strategy.run), where each replica adds it to its loss")
+    terms = (list(regularization_loss) if isinstance(regularization_loss, list | tuple)
+             else [regularization_loss])
+    total: torch.Tensor = torch.as_tensor(terms[0]).sum()
+    for term in terms[1:]:
+        total = total + torch.as_tensor(term).sum()
+    scaled: torch.Tensor = total / replica.num_replicas_in_sync
+    return scaled

@@ -547,3 +547,20 @@ def test_a_dropped_mirrored_model_is_freed_with_what_the_check_kept_of_it():
     assert all(c() is None for c in copies)
     assert len(structure._watched) < watched  # (its modules' entries went with them)
     strategy.run(lambda: None)  # nothing left to check, no error
+
+
+def test_gradient_hooks_registered_before_mirror_act_on_every_copy():
+    # p.register_hook on the module given to mirror: copy.deepcopy drops tensor hooks,
+    # so only replica 0's gradients were scaled; every copy's are now.
+    def make() -> nn.Sequential:
+        net = _net()
+        for p in net.parameters():
+            p.register_hook(lambda g: g * 0.5)
+        return net
+
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    model = strategy.mirror(make())
+    opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+    reference = make()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    _assert_trains_alike(strategy, model, opt, reference, ref_opt, list(X.split(4)))

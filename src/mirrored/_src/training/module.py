@@ -13,7 +13,6 @@ step (the other buffers follow ``mirror_optimizer(buffers=)``).
 
 from __future__ import annotations
 
-import copy
 import copyreg
 import sys
 from collections.abc import Iterator
@@ -28,7 +27,7 @@ from ..devices import parse_device
 from .batch_norm import convert_batch_norm
 from .copies import CopiesModule
 from .plain_optimizer import register_copies
-from .structure import CHANGES, watch
+from .structure import CHANGES, copy_to, watch
 
 if TYPE_CHECKING:
     from mirrored import ReplicaContext, Strategy
@@ -390,7 +389,7 @@ def mirror(strategy: Strategy, module: nn.Module, *,
         module = convert_batch_norm(module)
     copies = [module.to(devices[0])]
     for device in devices[1:]:
-        copies.append(copy.deepcopy(module).to(device))
+        copies.append(copy_to(module, device))
     calls = None if compiler is None else tuple(compiler(c) for c in copies)
     register_copies(copies, strategy)  # (a plain optimizer over them is refused)
     mirrored = MirroredModule(strategy, tuple(copies), sync_batch_norm=sync_batch_norm,

@@ -32,6 +32,7 @@ from the last full check; after `LAYOUT`, it walks every copy's modules once.
 
 from __future__ import annotations
 
+import copy
 import threading
 import weakref
 from collections.abc import Sequence
@@ -43,7 +44,8 @@ from torch.nn.parameter import is_lazy
 
 from .plain_optimizer import register_copies
 
-__all__ = ["CHANGES", "LAYOUT", "check_copies", "check_module", "frozen_message", "watch"]
+__all__ = ["CHANGES", "LAYOUT", "check_copies", "check_module", "copy_to", "frozen_message",
+           "watch"]
 
 CHANGES = [0]  # bumped when code outside run may have changed one copy
 LAYOUT = [0]  # bumped when a parameter or module was registered on a copy's module
@@ -61,6 +63,19 @@ def _registered(module: nn.Module, name: str, value: Any) -> None:
     if ref is not None and ref() is module:
         LAYOUT[0] += 1
         CHANGES[0] += 1
+
+
+def copy_to(module: nn.Module, device: torch.device) -> nn.Module:
+    """A copy of ``module`` on ``device`` (a replica's), with the hooks its parameters
+    and buffers had (``tensor.register_hook``, which ``copy.deepcopy`` drops: a
+    gradient scaled by a hook on one device is scaled on every replica)."""
+    other = copy.deepcopy(module).to(device)
+    for t0, t in zip([*module.parameters(), *module.buffers()],
+                     [*other.parameters(), *other.buffers()], strict=True):
+        for hook in (t0._backward_hooks or {}).values():
+            if t.requires_grad:
+                t.register_hook(hook)
+    return other
 
 
 def watch(module: Any) -> None:

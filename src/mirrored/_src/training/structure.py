@@ -74,7 +74,7 @@ def copy_to(module: nn.Module, device: torch.device) -> nn.Module:
                      [*other.parameters(), *other.buffers()], strict=True):
         for hook in (t0._backward_hooks or {}).values():
             if t.requires_grad:
-                t.register_hook(hook)
+                t.register_hook(hook)  # type: ignore[no-untyped-call]
     return other
 
 

@@ -393,3 +393,22 @@ def test_a_penalty_scaled_by_scale_regularization_loss_trains_as_one_device(repl
             mirrored.scale_regularization_loss(torch.ones(()))
     finally:
         cross.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_second_order_gradient_through_a_collective_is_refused_not_a_hang():
+    # create_graph=True through all_reduce: its gradient, a collective too, would link
+    # every replica's graph to the others' (the second backward hung or crashed).
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    try:
+        def step():
+            w = torch.tensor([2.0, 3.0], requires_grad=True)
+            total = mirrored.get_replica_context().all_reduce("SUM", w)
+            (g,) = torch.autograd.grad(total.pow(3).sum(), w, create_graph=True)
+            g.sum().backward()  # (the penalty's backward: through the collective again)
+            return w.grad
+
+        with pytest.raises(RuntimeError, match="create_graph=True"):
+            strategy.run(step)
+    finally:
+        strategy.close()

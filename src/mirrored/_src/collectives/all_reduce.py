@@ -218,6 +218,12 @@ def gradient_all_reduce(parts: Parts, index: int, options: CommunicationOptions,
     """The SUM all-reduce of a backward pass (itself a collective of every replica;
     ``label``: the forward call's, see `all_reduce`)."""
     refuse_in_merge_fn(parts, title, site)
+    if torch.is_grad_enabled() and any(g.requires_grad for g in grads):
+        raise RuntimeError(
+            f"{title} at {site}: a backward pass with create_graph=True (a gradient penalty, "
+            "a second-order gradient) goes through a collective, whose own gradient is not "
+            "differentiable again; compute such terms outside the collectives (e.g. on the "
+            "replica's own loss before it is all-reduced)")
     job = AllReduce(parts, index, ReduceOp.SUM, None, options, title, site, grads, label)
     return job.forward(grads, pytree.flatten(grads)[1])
 

@@ -186,6 +186,10 @@ class CallLedger:
         self.seq = 0  # collectives so far
         self.completed = 0
         self.broken: str | None = None  # set once workers may be out of step
+        # The latest calls' names by number, kept here (shared by every communicator of
+        # the strategy, `with_timeout`'s too) for a divergence found while waiting for
+        # an earlier call (`JobLink.diverged`).
+        self.texts: dict[int, object] = {}
         self.agreed: Wire | None = None  # the wire sizes every worker predicted
         self.predicted: Wire | None = None  # this worker's guess for the next call
         # call key -> [the wire sizes of the call after it, other sizes seen once since]

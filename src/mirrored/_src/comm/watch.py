@@ -66,12 +66,11 @@ class CallWatch:
         self._ledger = ledger
         self._me = me
         self._timeout = timeout
-        self._texts: dict[int, object] = {}  # the latest calls' names, by number
 
     def started(self, seq: int, text: object) -> None:
-        """Notes the name of collective ``seq`` (for a divergence found while waiting
-        for an earlier one: `JobLink.diverged`)."""
-        texts = self._texts
+        """Notes the name of collective ``seq`` on the ledger (for a divergence found
+        while waiting for an earlier one: `JobLink.diverged`)."""
+        texts = self._ledger.texts
         texts[seq] = text
         texts.pop(seq - 8, None)  # (numbers rise by one a call)
 
@@ -111,8 +110,8 @@ class CallWatch:
                     diverged = self._job.diverged()
                     if diverged is not None:  # (peers sit in other calls: no data will come)
                         at = diverged[0]
-                        self.mismatch(at, self._texts.get(at, text if at == seq else
-                                                          f"collective #{at}"))
+                        self.mismatch(at, self._ledger.texts.get(
+                            at, text if at == seq else f"collective #{at}"))
                 if deadline is not None and time.monotonic() >= deadline:
                     self.fail(CollectiveTimeoutError(
                         f"worker {self._me} waited {self._timeout:g} s in "

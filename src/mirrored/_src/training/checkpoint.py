@@ -36,18 +36,14 @@ _TMP = ".tmp-ckpt-"
 POLL_SECONDS = 0.5  # how often the workers meet while the chief writes (see the module)
 
 
-def _spread(strategy: Any, value: int, index: int = 0) -> tuple[int, int]:
-    """The lowest and highest ``value`` over the workers, in one collective.
+def _spread_and_first(strategy: Any, value: int, index: int) -> tuple[int, int, int]:
+    """The lowest and highest ``value`` over the workers, and the lowest ``index`` (a
+    worker's), in one collective: the workers in the call are an elastic job's live
+    ones, whose lowest writes when worker 0 is gone.
 
     A plain value is this worker's value in a multi-worker strategy, so reducing one
     is a collective every worker must reach; single-process strategies return it.
     """
-    return _spread_and_first(strategy, value, index)[:2]
-
-
-def _spread_and_first(strategy: Any, value: int, index: int) -> tuple[int, int, int]:
-    """`_spread`, and the lowest ``index`` (a worker's) over the workers in the call:
-    an elastic job's live workers, whose lowest writes when worker 0 is gone."""
     both = strategy.reduce("MAX", torch.tensor([value, -value, -index], dtype=torch.int64))
     return -int(both[1]), int(both[0]), -int(both[2])
 
@@ -148,7 +144,7 @@ class CheckpointManager:
             if writer is not None:
                 writer.join(POLL_SECONDS)
             status = 1 if writer is not None and writer.is_alive() else 2 if failures else 0
-            _, status = _spread(self._strategy, status)
+            _, status, _ = _spread_and_first(self._strategy, status, me)
             if status != 1:
                 break
         if failures:

@@ -564,3 +564,15 @@ def test_gradient_hooks_registered_before_mirror_act_on_every_copy():
     reference = make()
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     _assert_trains_alike(strategy, model, opt, reference, ref_opt, list(X.split(4)))
+
+
+def test_a_module_assigned_on_the_mirrored_model_keeps_its_gradient_hooks_on_every_copy():
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    model = strategy.mirror(_net())
+    head = nn.Linear(2, 1).double()
+    head.weight.register_hook(lambda g: g * 0.0)
+    model.head = head
+    for copy_ in model.replicas:
+        out = copy_.head(torch.ones(1, 2, dtype=torch.float64)).sum()
+        out.backward()
+        assert torch.equal(copy_.head.weight.grad, torch.zeros(1, 2, dtype=torch.float64))

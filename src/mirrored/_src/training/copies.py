@@ -28,7 +28,7 @@ from torch.nn.parameter import is_lazy
 from torch.utils.hooks import RemovableHandle
 
 from ..context import current_replica_context
-from .structure import CHANGES, LAYOUT
+from .structure import CHANGES, LAYOUT, copy_to
 
 __all__ = ["CopiesModule", "Handles"]
 
@@ -138,10 +138,11 @@ class CopiesModule(nn.Module):
         devices = [self._devices[self._copies.index(t)] for t in targets]
         values = [value.to(devices[0]) if isinstance(value, nn.Module) else value]
         for device in devices[1:]:
+            if isinstance(value, nn.Module):  # (with its tensors' hooks: `copy_to`)
+                values.append(copy_to(value, device))
+                continue
             other = copy.deepcopy(value)
-            if isinstance(other, nn.Module):
-                other.to(device)
-            elif other.device != device:
+            if other.device != device:
                 other = (nn.Parameter(other.detach().to(device), other.requires_grad)
                          if isinstance(other, nn.Parameter) else other.to(device))
             values.append(other)

@@ -27,7 +27,7 @@ from ..context import current_replica_context
 from ..errors import ReplicaDivergenceError
 
 __all__ = ["CHEAP_EVERY", "CHECKS", "Check", "GradientWatch", "compare", "crossed_message",
-           "discarded_message", "fingerprint", "modified_message"]
+           "discarded_message", "fingerprint", "modified_message", "same_divisors"]
 
 Check = Literal["cheap", "full", "off"]
 CHECKS: tuple[Check, ...] = ("cheap", "full", "off")
@@ -320,3 +320,23 @@ def crossed_message(running: int, copy: int) -> str:
             f"model.replicas[i] is replica i's), so replica {copy}'s gradients mix several "
             "replicas' batches and the others' copies get none. Call the mirrored model "
             "itself, model(x): it runs each replica's own copy")
+
+
+def same_divisors(slots: list[float]) -> None:
+    """Raises unless every replica that gave ``compute_average_loss`` a
+    ``global_batch_size`` in this step gave the same (the largest of its calls'; 0:
+    none, e.g. a replica that skipped its loss on an empty batch)."""
+    values = [int(v) for v in slots]
+    given = {v for v in values if v > 0}
+    if len(given) <= 1:
+        return
+    listing = ", ".join(f"replica {i}: {v if v > 0 else 'none'}" for i, v in enumerate(values))
+    raise ValueError(
+        f"MirroredOptimizer.step: compute_average_loss(per_example_loss, global_batch_size="
+        f"...) was given different values on different replicas in this step ({listing}; "
+        "expected one value on every replica that passed one). Each replica divides by "
+        "its own value, so the all-reduced gradient is not the mean over the global batch "
+        "that one device computes; no replica applied the step. Pass the size of the whole "
+        "global batch, the same on every replica (a per-replica formula such as len(x) * "
+        "num_replicas_in_sync is wrong on an uneven batch), or leave global_batch_size="
+        "None to count each step's examples exactly")

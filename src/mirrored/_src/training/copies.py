@@ -259,8 +259,13 @@ class CopiesModule(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Resets gradients: every copy's outside ``run``, the replica's own inside."""
+        carrying = self.__dict__.get("_carrying")  # (a mirrored model's: `carry`)
         for c in self._targets():
             c.zero_grad(set_to_none)
+            if carrying:
+                i = self._copies.index(c)
+                for carried in list(carrying[i]):
+                    carried.forget(i)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
                ) -> CopiesModule:

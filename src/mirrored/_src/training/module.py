@@ -25,6 +25,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .. import context
 from ..devices import parse_device
 from .batch_norm import convert_batch_norm
+from .carry import hook_outputs, skip_in_dynamo
 from .copies import CopiesModule
 from .plain_optimizer import register_copies
 from .structure import CHANGES, copy_to, watch
@@ -140,6 +141,7 @@ class MirroredModule(CopiesModule):
         own["_known"] = {ctx: ctx.replica_id_in_sync_group % n
                          for ctx in getattr(strategy, "_contexts", ())}
         own["_mirrored_number"] = strategy._parts.next_model()  # (names optimizers' steps)
+        own["_carrying"] = tuple([] for _ in copies)  # (`carry`: hooks the outputs)
         own["_copies"] = copies  # last: its presence marks the shell as built
 
     # ---------------------------------------------------- which copy code sees
@@ -180,7 +182,10 @@ class MirroredModule(CopiesModule):
             if index is None:  # replica 0's copy, outside run (a lazy module initializes)
                 CHANGES[0] += 1
                 index = 0
-        return _run_copy(self._calls[index], *args, **kwargs)
+        output = _run_copy(self._calls[index], *args, **kwargs)
+        if self._carrying[index]:
+            hook_outputs(output, self._carrying[index], index)
+        return output
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The current copy's ``forward`` (without its hooks, as in torch)."""
@@ -265,12 +270,9 @@ class MirroredModule(CopiesModule):
         replicas after each step: BatchNorm running means and variances, unless
         ``sync_batch_norm`` keeps them equal already."""
         if self._averaged is None:
-            self._averaged = tuple(
-                [] if self._sync_batch_norm else [
-                    t for m in c.modules() if isinstance(m, _BatchNorm)
-                    and m.track_running_stats
-                    for t in (m.running_mean, m.running_var) if t is not None]
-                for c in self._copies)
+            self._averaged = tuple([] if self._sync_batch_norm else [
+                t for m in c.modules() if isinstance(m, _BatchNorm) and m.track_running_stats
+                for t in (m.running_mean, m.running_var) if t is not None] for c in self._copies)
         return self._averaged[index]
 
     def __repr__(self) -> str:
@@ -285,21 +287,6 @@ _OWN = frozenset({"_strategy", "_devices", "_calls", "_sync_batch_norm",
                   "_averaged", "_known", "_mirrored_number", "_copies", "training"})
 
 
-def _skip_in_dynamo(code: Any) -> None:
-    """Dynamo skips the frame of ``code`` and compiles what it calls (its
-    ``skip_code``, through torch's C extension: importing ``torch._dynamo`` takes
-    seconds). Older torch without it traces the frame instead, which also works."""
-    try:
-        from torch._C._dynamo.eval_frame import (
-            _FrameAction,
-            _FrameExecStrategy,
-            set_code_exec_strategy,
-        )
-    except ImportError:  # pragma: no cover
-        return
-    set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
-
-
 def _run_copy(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """Calls one copy. Under ``torch.compile(mirrored_model)`` this is the frame dynamo
     compiles (``MirroredModule.__call__`` is skipped, and torch's own module frames
@@ -308,7 +295,7 @@ def _run_copy(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return module(*args, **kwargs)
 
 
-_skip_in_dynamo(MirroredModule.__call__.__code__)
+skip_in_dynamo(MirroredModule.__call__.__code__)
 
 
 def _compiled_wrapper(module: nn.Module) -> Any:
@@ -369,8 +356,7 @@ def mirror(strategy: Strategy, module: nn.Module, *,
     if not isinstance(sync_batch_norm, bool):
         raise TypeError(f"sync_batch_norm must be a bool; got {sync_batch_norm!r}")
     if context.current_replica_context() is not None and context.has_strategy():
-        raise RuntimeError("mirror(strategy, module) must be called outside strategy.run "
-                           "(create the mirrored module once, then use it in run)")
+        raise RuntimeError("mirror(strategy, module) must be called outside strategy.run")
     if isinstance(module, MirroredModule):
         raise TypeError("mirror(strategy, module) got a MirroredModule; mirror the plain "
                         "module once")
@@ -381,9 +367,8 @@ def mirror(strategy: Strategy, module: nn.Module, *,
                if getattr(m, "_compiled_call_impl", None) is not None]
     if inplace:
         raise TypeError(f"mirror(strategy, module): {inplace[0]} was compiled in place with "
-                        ".compile(), which a copy cannot carry over; mirror the plain module "
-                        "and call model.compile() on the mirrored model (or pass "
-                        "torch.compile(module) to mirror)")
+                        ".compile(), which a copy cannot carry over; mirror the plain module and "
+                        "call model.compile() on the mirrored model (or mirror torch.compile(m))")
     devices = [parse_device(name).torch_device for name in strategy.extended.worker_devices]
     if sync_batch_norm:
         module = convert_batch_norm(module)
@@ -394,6 +379,6 @@ def mirror(strategy: Strategy, module: nn.Module, *,
     register_copies(copies, strategy)  # (a plain optimizer over them is refused)
     mirrored = MirroredModule(strategy, tuple(copies), sync_batch_norm=sync_batch_norm,
                               calls=calls)
-    if len(copies) > 1:  # (changes reaching replica 0's copy alone are caught)
-        watch(mirrored)
+    if len(copies) > 1:
+        watch(mirrored)  # (changes reaching replica 0's copy alone are caught)
     return mirrored

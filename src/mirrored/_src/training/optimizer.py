@@ -1,15 +1,14 @@
 """`MirroredOptimizer`: one torch optimizer per copy of a `MirroredModule`, stepped
 in lockstep on all-reduced gradients.
 
-``step()`` (in every replica, inside ``strategy.run``) makes ONE all-reduce (SUM)
-of the replica's gradients, a presence flag per parameter, the copies'
-fingerprints (`check`), the BatchNorm running statistics to average and the other
-buffers (`buffers`); the collective packs them per dtype into few transfers.
-Every replica then assigns the reduced gradients (views of the packed result, no
-copy), compares the fingerprints, optionally clips the gradients by their global
-norm, copies replica 0's hyper-parameters into its own optimizer and steps it. The
-reduced values are bitwise identical on every replica, so the copies stay bitwise
-equal; the check makes sure of it.
+``step()`` (in every replica, inside ``strategy.run``) makes ONE all-reduce (SUM) of
+the replica's gradients, a presence flag per parameter, the copies' fingerprints
+(`check`), the BatchNorm running statistics to average and the other buffers
+(`buffers`); the collective packs them per dtype into few transfers. Every replica
+then assigns the reduced gradients (views of the packed result, no copy), compares
+the fingerprints, optionally clips the gradients by their global norm, copies
+replica 0's hyper-parameters into its own optimizer and steps it. The reduced values
+are bitwise identical on every replica, so the copies stay bitwise equal.
 """
 
 from __future__ import annotations
@@ -194,6 +193,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
         if clip_grad_norm is not None:
             nn.utils.clip_grad_norm_(params, clip_grad_norm)
         direct.step(optimizer)  # (its own hooks and ranges if it has any)
+        if reducer.carried is not None:  # (a gradient left in .grad counts once: `carry`)
+            reducer.carried.record(r)
 
     def _settle(self, ctx: ReplicaContext, r: int) -> None:
         """All-reduces replica ``r``'s gradients (one replica in all: the watch's refusals)."""
@@ -268,6 +269,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
                 raise ReplicaDivergenceError(discarded_message(i))
         for i in replicas:  # (all-reduced by unscale_: discarded now)
             reduced[i] = False
+            if (carried := self._reducer.carried) is not None:
+                carried.forget(i)
             direct.zero_grad(self._optimizers[i], set_to_none)
 
     def state_dict(self) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from ..errors import LossScalingWarning, ReplicaDivergenceError
 from ..reduce_op import ReduceOp
 from ..runtime.contract import Arrival, CallSpec
 from .buffers import BufferRule, BufferSync, other_buffers
+from .carry import CarriedGradients, add_kept
 from .check import (
     CHEAP_EVERY,
     Check,
@@ -38,6 +39,7 @@ from .check import (
     compare,
     fingerprint,
     modified_message,
+    same_divisors,
     slots_per_tensor,
 )
 from .host_sum import HostSum
@@ -93,6 +95,7 @@ class GradientReducer:
                                      ids=self._parts.topology.replica_ids)
                        if check != "off" else None)
         self.reduced = [False] * local  # the replica's gradients are all-reduced already
+        self.carried = CarriedGradients(params, module._carrying) if n > 1 else None
         self.seq = [0] * local  # all-reduces made by each replica (equal on every one)
         first = params[0][0]
         meta_dtype = torch.float64 if first.dtype == torch.float64 else torch.float32
@@ -191,6 +194,7 @@ class GradientReducer:
                 self._watch.clear(r)
             self.reduced[r] = True
             return
+        kept = self.carried.take(r) if self.carried is not None else None
         grads = [p.grad for p in params]
         if any(t is not None and t.is_sparse for t in grads):
             raise TypeError("MirroredOptimizer.step all-reduces dense gradients; a parameter has "
@@ -201,7 +205,7 @@ class GradientReducer:
         parts = self._parts
         divisor = parts.loss_divisors[r]
         # The slot: the largest global_batch_size given, -1 for compute_average_loss
-        # calls without one, 0 for none (`_same_divisors`, `_NO_LOSS`).
+        # calls without one, 0 for none (`same_divisors`, `_NO_LOSS`).
         calls = parts.loss_calls[r]
         value = divisor or -int(calls != self._loss_calls[r])
         self._loss_calls[r] = calls
@@ -271,6 +275,8 @@ class GradientReducer:
             for k in missing:
                 if present[k] == 0:
                     params[k].grad = None
+        if kept is not None:  # (the last step's gradients left in .grad: `carry`)
+            add_kept(params, kept)
         if stats:
             averaged = reduced[n + 1:n + 1 + len(stats)]
             torch._foreach_div_(averaged, live or self._num_replicas)
@@ -297,13 +303,13 @@ class GradientReducer:
         """The step's divisor slots (of the reduced ``meta``, from ``at``), read when
         local replica ``r`` compares them (it sent or saw a ``global_batch_size``) or
         the check reads its table (``width``), else ``None`` (not even sliced); raises
-        (`_same_divisors`) if they differ."""
+        (`same_divisors`) if they differ."""
         if not (width or self._divisor_seen[r]):
             return None
         values = meta[at:at + self._num_replicas].tolist()
         if self._divisor_seen[r] or any(v > 0 for v in values):
             self._divisor_seen[r] = True
-            _same_divisors(values)
+            same_divisors(values)
         return values
 
     def _frozen(self, r: int, meta: torch.Tensor, at: int, live: int | None,
@@ -368,26 +374,6 @@ _NO_LOSS = (
     "mirrored.compute_average_loss(per_example_loss) with reduction='none'. A loss "
     "already divided by the global batch size is right: silence this with "
     "warnings.filterwarnings('ignore', category=mirrored.LossScalingWarning)")
-
-
-def _same_divisors(slots: list[float]) -> None:
-    """Raises unless every replica that gave ``compute_average_loss`` a
-    ``global_batch_size`` in this step gave the same (the largest of its calls'; 0:
-    none, e.g. a replica that skipped its loss on an empty batch)."""
-    values = [int(v) for v in slots]
-    given = {v for v in values if v > 0}
-    if len(given) <= 1:
-        return
-    listing = ", ".join(f"replica {i}: {v if v > 0 else 'none'}" for i, v in enumerate(values))
-    raise ValueError(
-        f"MirroredOptimizer.step: compute_average_loss(per_example_loss, global_batch_size="
-        f"...) was given different values on different replicas in this step ({listing}; "
-        "expected one value on every replica that passed one). Each replica divides by "
-        "its own value, so the all-reduced gradient is not the mean over the global batch "
-        "that one device computes; no replica applied the step. Pass the size of the whole "
-        "global batch, the same on every replica (a per-replica formula such as len(x) * "
-        "num_replicas_in_sync is wrong on an uneven batch), or leave global_batch_size="
-        "None to count each step's examples exactly")
 
 
 class _Finished:

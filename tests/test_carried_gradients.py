@@ -1,0 +1,252 @@
+"""A step's gradients left in ``.grad`` (no ``zero_grad()`` before the next backward,
+or ``step()`` twice) count once, as on one device, and not once per replica
+(`carry`): every way of clearing them between steps is still seen as clearing, and a
+backward whose start the mirrored model did not see onto left gradients raises."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import mirrored
+from mirrored._src.training import overlap as overlap_module
+from mirrored.experimental import CommunicationOptions
+
+pytestmark = pytest.mark.timeout(120)
+
+STEPS = 6
+criterion = nn.CrossEntropyLoss(reduction="none")
+
+
+class Net(nn.Module):
+    def __init__(self, output: str = "tensor") -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 3)
+        self.output = output
+
+    def forward(self, x: torch.Tensor) -> Any:
+        y = self.b(torch.tanh(self.a(x)))
+        if self.output == "dict":
+            return {"logits": y, "hidden": x.sum()}
+        return (x.sum(), y) if self.output == "tuple" else y
+
+
+def logits(out: Any) -> torch.Tensor:
+    return out["logits"] if isinstance(out, dict) else out[1] if isinstance(out, tuple) else out
+
+
+Program = Callable[[int, Any, Any, torch.Tensor, torch.Tensor, Callable[..., Any]], None]
+
+
+def never_zero(i: int, m: Any, opt: Any, x: torch.Tensor, y: torch.Tensor, avg: Any) -> None:
+    avg(criterion(logits(m(x)), y)).backward()
+    opt.step()
+
+
+def zero_every_third(i: int, m: Any, opt: Any, x: torch.Tensor, y: torch.Tensor,
+                     avg: Any) -> None:
+    with torch.no_grad():  # an evaluation forward between steps: no backward starts
+        m(x)
+    avg(criterion(logits(m(x)), y)).backward()
+    opt.step()
+    if i % 3 == 2:
+        opt.zero_grad()
+
+
+def zero_in_place_after_forward(i: int, m: Any, opt: Any, x: torch.Tensor,
+                                y: torch.Tensor, avg: Any) -> None:
+    loss = avg(criterion(logits(m(x)), y))
+    opt.zero_grad(set_to_none=False)
+    loss.backward()
+    opt.step()
+
+
+def none_by_hand_after_forward(i: int, m: Any, opt: Any, x: torch.Tensor, y: torch.Tensor,
+                               avg: Any) -> None:
+    loss = avg(criterion(logits(m(x)), y))
+    for p in m.parameters():
+        p.grad = None
+    loss.backward()
+    opt.step()
+
+
+def zero_by_hand_before_forward(i: int, m: Any, opt: Any, x: torch.Tensor,
+                                y: torch.Tensor, avg: Any) -> None:
+    for p in m.parameters():
+        if p.grad is not None:
+            p.grad.zero_()
+    avg(criterion(logits(m(x)), y)).backward()
+    opt.step()
+
+
+def model_zero_grad_after_forward(i: int, m: Any, opt: Any, x: torch.Tensor,
+                                  y: torch.Tensor, avg: Any) -> None:
+    loss = avg(criterion(logits(m(x)), y))
+    m.zero_grad(set_to_none=False)
+    loss.backward()
+    opt.step()
+
+
+def step_twice(i: int, m: Any, opt: Any, x: torch.Tensor, y: torch.Tensor, avg: Any) -> None:
+    if i % 2 == 0:
+        opt.zero_grad()
+        avg(criterion(logits(m(x)), y)).backward()
+    opt.step()
+
+
+def two_forwards(i: int, m: Any, opt: Any, x: torch.Tensor, y: torch.Tensor,
+                 avg: Any) -> None:
+    first, second = logits(m(x)), logits(m(x * 0.5))
+    (avg(criterion(first, y)) + avg(criterion(second, y))).backward()
+    opt.step()
+
+
+def accumulate_then_skip(i: int, m: Any, opt: Any, x: torch.Tensor, y: torch.Tensor,
+                         avg: Any) -> None:
+    avg(criterion(logits(m(x)), y)).backward()  # two micro-batches onto the left ones
+    avg(criterion(logits(m(-x)), y)).backward()
+    opt.step()
+
+
+PROGRAMS: dict[str, Program] = {f.__name__: f for f in (
+    never_zero, zero_every_third, zero_in_place_after_forward, none_by_hand_after_forward,
+    zero_by_hand_before_forward, model_zero_grad_after_forward, step_twice, two_forwards,
+    accumulate_then_skip)}
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(STEPS, 12, 4, generator=g), torch.randint(0, 3, (STEPS, 12), generator=g)
+
+
+def one_device(program: Program, output: str = "tensor") -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = Net(output)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    xs, ys = data()
+    for i in range(STEPS):
+        program(i, model, opt, xs[i], ys[i], lambda loss: loss.mean())
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def train(strategy: mirrored.Strategy, program: Program, output: str = "tensor",
+          **options: Any) -> tuple[list[torch.Tensor], Any]:
+    torch.manual_seed(0)
+    model = strategy.mirror(Net(output))
+    opt = strategy.mirror_optimizer(
+        model, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), **options)
+    n = strategy.num_replicas_in_sync
+    xs, ys = data()
+
+    def avg(loss: torch.Tensor) -> torch.Tensor:
+        return mirrored.compute_average_loss(loss, global_batch_size=12)
+
+    for i in range(STEPS):
+        def part(t: torch.Tensor) -> Any:
+            return strategy.experimental_distribute_values_from_function(
+                lambda c: t.chunk(n)[c.replica_id_in_sync_group])
+        strategy.run(lambda x, y: program(i, model, opt, x, y, avg),  # noqa: B023
+                     args=(part(xs[i]), part(ys[i])))
+    return [p.detach().clone() for p in model.parameters()], model
+
+
+def assert_close(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    for u, v in zip(a, b, strict=True):
+        torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture
+def two() -> Iterator[mirrored.MirroredStrategy]:
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    yield strategy
+    strategy.close()
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_gradients_left_in_grad_count_once(two: mirrored.MirroredStrategy, name: str) -> None:
+    program = PROGRAMS[name]
+    assert_close(train(two, program)[0], one_device(program))
+
+
+@pytest.mark.parametrize("output", ["tuple", "dict"])
+def test_outputs_in_a_structure_are_seen(two: mirrored.MirroredStrategy, output: str) -> None:
+    assert_close(train(two, never_zero, output)[0], one_device(never_zero, output))
+
+
+def test_three_replicas_with_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(overlap_module, "DEFAULT_BUCKET_BYTES", 64)  # several buckets
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2"])
+    try:
+        got, _ = train(strategy, never_zero, overlap=True)
+    finally:
+        strategy.close()
+    assert_close(got, one_device(never_zero))
+
+
+def test_a_loop_that_zeroes_first_registers_no_hook(two: mirrored.MirroredStrategy) -> None:
+    hooked: list[int] = []
+    original = torch.Tensor.register_hook
+
+    def spy(self: torch.Tensor, hook: Any) -> Any:
+        hooked.append(1)
+        return original(self, hook)
+
+    def zero_first(i: int, m: Any, opt: Any, x: torch.Tensor, y: torch.Tensor,
+                   avg: Any) -> None:
+        opt.zero_grad()
+        avg(criterion(m(x), y)).backward()
+        opt.step()
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.Tensor, "register_hook", spy)
+        train(two, zero_first)
+    assert hooked == []
+    # ... and forward-then-zero_grad registers one per forward, which then finds nothing
+    hooked.clear()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.Tensor, "register_hook", spy)
+        got, _ = train(two, zero_in_place_after_forward)
+    assert len(hooked) == 2 * (STEPS - 1)
+    assert_close(got, one_device(zero_in_place_after_forward))
+
+
+def test_an_unseen_backward_onto_left_gradients_raises(two: mirrored.MirroredStrategy
+                                                      ) -> None:
+    def through_submodules(i: int, m: Any, opt: Any, x: torch.Tensor, y: torch.Tensor,
+                           avg: Any) -> None:
+        avg(criterion(m.b(torch.tanh(m.a(x))), y)).backward()
+        opt.step()
+
+    with pytest.raises(RuntimeError, match=r"left in \.grad by the last step.*zero_grad"):
+        train(two, through_submodules)
+
+    def zeroed(i: int, m: Any, opt: Any, x: torch.Tensor, y: torch.Tensor, avg: Any) -> None:
+        opt.zero_grad(set_to_none=False)
+        through_submodules(i, m, opt, x, y, avg)
+
+    assert_close(train(two, zeroed)[0], one_device(zeroed))
+
+
+def _worker(program_name: str, local: int) -> list[torch.Tensor]:
+    overlap_module.DEFAULT_BUCKET_BYTES = 64
+    strategy = mirrored.MultiWorkerMirroredStrategy(
+        communication_options=CommunicationOptions(timeout_seconds=60),
+        devices=[f"CPU:{i}" for i in range(local)])
+    try:
+        return train(strategy, PROGRAMS[program_name])[0]
+    finally:
+        strategy.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("name", "local"), [("never_zero", 1), ("step_twice", 2)])
+def test_across_workers_with_buckets(name: str, local: int) -> None:
+    results = mirrored.testing.run_multi_process(_worker, 2, args=(name, local), timeout=150)
+    expected = one_device(PROGRAMS[name])
+    for params in results:
+        assert_close(params, expected)

@@ -53,3 +53,30 @@ def test_one_replica_reduce_edge_cases() -> None:
     x = torch.ones(4, requires_grad=True)
     assert not one.reduce("SUM", x * 2, axis=0).requires_grad  # results are detached
     one.close()
+
+
+@pytest.mark.parametrize("op", ["SUM", "MEAN", "MAX"])
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+def test_reduce_to_of_a_nest_on_any_number_of_replicas(op: str, replicas: int) -> None:
+    # A nest of per-replica values (what distribute_values_from_function makes of a
+    # function returning a dict) reduces leaf by leaf; with one replica that nest's
+    # leaves are the replica's values (it was refused as "got dict").
+    strategy = mirrored.MirroredStrategy([f"CPU:{i}" for i in range(replicas)])
+    g = torch.Generator().manual_seed(replicas)
+    a, b = torch.randn(replicas, 3, generator=g), torch.randn(replicas, 2, 2, generator=g)
+    value = strategy.experimental_distribute_values_from_function(
+        lambda c: {"a": a[c.replica_id_in_sync_group],
+                   "b": (b[c.replica_id_in_sync_group], None)})
+    fold = {"SUM": lambda t: t.sum(0), "MEAN": lambda t: t.mean(0),
+            "MAX": lambda t: t.amax(0)}[op]
+    single = strategy.extended.reduce_to(op, value, destinations="CPU:0")
+    batched, again = strategy.extended.batch_reduce_to(
+        op, [(value, "CPU:0"), ({"c": torch.tensor(5.0)}, "CPU:0")] if op != "SUM"
+        else [(value, "CPU:0"), (value, "CPU:0")])
+    for got in (single, batched):
+        assert set(got) == {"a", "b"} and got["b"][1] is None
+        torch.testing.assert_close(got["a"], fold(a))
+        torch.testing.assert_close(got["b"][0], fold(b))
+    if op != "SUM":  # a value that is not per-replica: every replica's
+        torch.testing.assert_close(again["c"], torch.tensor(5.0))
+    strategy.close()

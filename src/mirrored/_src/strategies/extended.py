@@ -4,8 +4,10 @@ a thin view on the same parts: destinations-based reductions and device lists.""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
+from .. import pytree
 from ..collectives.cross_replica import check_components
 from ..collectives.parts import Parts
 from ..comm import batch
@@ -117,10 +119,9 @@ class StrategyExtended:
                 check_components(parts, value, f"value_destination_pairs[{index}]")
             one = topology.num_replicas_in_sync == 1 or (
                 topology.worker_values and topology.num_local_replicas == 1)
-            if one and not isinstance(value, PerReplica):
-                # With one (local) replica every value is that replica's value.
-                first = value.values[0] if isinstance(value, Mirrored) else value
-                pairs[index] = (PerReplica([first], topology.device_names), pair[1])
+            if one:  # with one (local) replica every value is that replica's value
+                pairs[index] = (pytree.tree_map(partial(_own, topology.device_names), value),
+                                pair[1])
         merged = parts.options.merge(options)
         return batch.batch_reduce(parts.communicators.for_options(merged), reduce_op, pairs,
                                   bytes_per_pack=merged.bytes_per_pack,
@@ -144,3 +145,11 @@ class StrategyExtended:
         """
         self._require_cross_replica("extended.broadcast_to")
         return batch.broadcast(self._parts.communicators.default, tensor, destinations)
+
+
+def _own(names: Sequence[str], leaf: Any) -> Any:
+    """A leaf of a value reduced by the only (local) replica, as that replica's value
+    (a nest's leaves one by one: a nest of per-replica values has them inside)."""
+    if isinstance(leaf, PerReplica):
+        return leaf
+    return PerReplica([leaf.values[0] if isinstance(leaf, Mirrored) else leaf], names)

@@ -97,6 +97,31 @@ def test_all_gather_gradients_slice_back(strategies):
                                            summed[3:6].tolist()]
 
 
+@pytest.mark.parametrize("other", [torch.bool, torch.int32, torch.int64])
+def test_all_gather_beside_a_mask_gradients_only_the_floats(strategies, other):
+    # A mask or an index gathered in the same call has no gradient: the floats' is the
+    # one of the same step with the mask gathered as floats (it was refused in backward).
+    strategy = strategies[3]
+    inputs = [torch.arange(1.0, i + 2.0) for i in range(3)]
+    masks = [torch.tensor(m) for m in ([True], [False, True], [True, False, True])]
+    weights = [torch.arange(6.0) * (i + 1) for i in range(3)]
+
+    def step(as_float):
+        x = inputs[rid()].clone().requires_grad_(True)
+        mask = masks[rid()].to(torch.float32 if as_float else other)
+        out = mirrored.get_replica_context().all_gather({"x": x, "mask": mask}, axis=0)
+        gathered, gathered_mask = out["x"], out["mask"]
+        assert gathered_mask.dtype == mask.dtype
+        (gathered * gathered_mask * weights[rid()]).sum().backward()
+        return x.grad
+
+    got = strategy.experimental_local_results(strategy.run(step, args=(False,)))
+    expected = strategy.experimental_local_results(strategy.run(step, args=(True,)))
+    reference = (sum(weights) * torch.cat(masks).float()).split([1, 2, 3])
+    for g, e, r in zip(got, expected, reference, strict=True):
+        assert g.tolist() == e.tolist() == r.tolist()
+
+
 def test_unused_outputs_get_zero_gradients(two):
     def step():
         a = torch.tensor([1.0, 2.0], requires_grad=True)

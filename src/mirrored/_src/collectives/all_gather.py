@@ -95,10 +95,18 @@ class _AllGatherFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         job: AllGather = ctx.job
+        # Only floating and complex outputs have gradients (an integer or bool one, a
+        # mask gathered beside them, has none: the same on every replica, dtypes agree).
+        keep = [k for k, (_, dtype, _) in enumerate(ctx.outputs)
+                if dtype.is_floating_point or dtype.is_complex]
         total = gradient_all_reduce(job.parts, job.index, job.options, job.site,
-                                    "gradient of all_gather", zeros_for_none(grads, ctx.outputs))
-        return (None, None, *(g.narrow(dim, start, size) for g, dim, (start, size)
-                              in zip(total, job.dims, job.offsets, strict=True)))
+                                    "gradient of all_gather", zeros_for_none(
+                                        [grads[k] for k in keep], [ctx.outputs[k] for k in keep]))
+        result: list[torch.Tensor | None] = [None] * len(grads)
+        for k, g in zip(keep, total, strict=True):
+            start, size = job.offsets[k]
+            result[k] = g.narrow(job.dims[k], start, size)
+        return (None, None, *result)
 
 
 def all_gather(parts: Parts, index: int, value: Any, axis: int,

@@ -6,6 +6,7 @@ the parameter list; each against a one-device reference."""
 from __future__ import annotations
 
 import math
+import time
 import re
 from collections.abc import Iterator
 
@@ -550,3 +551,56 @@ def test_a_dropped_mirrored_optimizer_takes_its_gradient_hooks_along(replicas: i
         gc.collect()
         assert hooks() == 0
     strategy.close()
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_a_learning_rate_set_after_step_in_the_step_waits_for_the_next_step(
+        two: mirrored.MirroredStrategy, scaled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each replica sets the next step's rate on its own optimizer after step(). Replica
+    # 1 is slowed down right after the step's all-reduce, so replica 0 has already set
+    # the next rate when replica 1 takes replica 0's hyper-parameters: it must still
+    # take those replica 0's step() found (it took the next step's: a silent race).
+    from mirrored._src.training.reducer import GradientReducer
+
+    reduce = GradientReducer.reduce
+
+    def slow_reduce(self: GradientReducer, ctx: mirrored.ReplicaContext, r: int) -> None:
+        reduce(self, ctx, r)
+        if r:
+            time.sleep(0.05)
+
+    monkeypatch.setattr(GradientReducer, "reduce", slow_reduce)
+    x, y = data()
+    rates = [0.1 * 0.5 ** i for i in range(4)]
+    plain = net()
+    opt = torch.optim.SGD(plain.parameters(), lr=rates[0], momentum=0.5)
+    for i in range(3):
+        opt.zero_grad()
+        ((plain(x).squeeze(1) - y) ** 2).mean().backward()
+        opt.step()
+        for group in opt.param_groups:
+            group["lr"] = rates[i + 1]
+    model = two.mirror(net())
+    mopt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=rates[0], momentum=0.5))
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0) if scaled else None
+
+    def step(i: int, xs: torch.Tensor, ys: torch.Tensor) -> None:
+        mopt.zero_grad()
+        loss = mirrored.compute_average_loss((model(xs).squeeze(1) - ys) ** 2,
+                                             global_batch_size=6)
+        if scaler is None:
+            loss.backward()
+            mopt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(mopt)
+        for group in mopt.param_groups:  # (the replica's own optimizer's, inside run)
+            group["lr"] = rates[i + 1]
+
+    for i in range(3):
+        two.run(step, args=(i, split(x), split(y)))
+        if scaler is not None:
+            scaler.update()
+    assert_copies_equal(model)
+    for a, b in zip(model.replicas[0].parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a, b)

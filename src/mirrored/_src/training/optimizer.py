@@ -28,6 +28,7 @@ from . import amp, direct
 from . import overlap as _overlap
 from .buffers import BUFFER_RULES, BufferRule
 from .check import CHECKS, Check, GradientWatch, discarded_message
+from .hyper import StepHyperParameters
 from .module import MirroredModule, as_mirrored_module, replica_index, replica_of
 from .plain_optimizer import refuse_scheduler, trust
 from .reducer import GradientReducer
@@ -90,6 +91,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
         parts = module.strategy._parts  # one replica in all: no reducer call, the same refusals
         self._solo = parts.topology.num_replicas_in_sync == 1 and parts.cluster is None
         self._watch = GradientWatch(params, check) if self._solo and check != "off" else None
+        self._hyper = StepHyperParameters(self._optimizers)
         self._reducer = GradientReducer(module, params, names,
                                         check="off" if self._solo else check, buffers=buffers,
                                         overlap=overlap, bucket_bytes=_overlap.DEFAULT_BUCKET_BYTES)
@@ -184,12 +186,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
         reducer.reduced[r] = False
         if not reducer.committed[r]:  # elastic: a step the workers did not commit
             return
-        if r:
-            for source, target in zip(self._optimizers[0].param_groups, optimizer.param_groups,
-                                      strict=True):
-                for key, value in source.items():
-                    if key != "params":
-                        target[key] = value
+        if r:  # replica 0's, as its step() found them (it may have changed them since)
+            self._hyper.take(r, reducer.seq[r] - 1)
         if clip_grad_norm is not None:
             nn.utils.clip_grad_norm_(params, clip_grad_norm)
         direct.step(optimizer)  # (its own hooks and ranges if it has any)
@@ -199,6 +197,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
     def _settle(self, ctx: ReplicaContext, r: int) -> None:
         """All-reduces replica ``r``'s gradients (one replica in all: the watch's refusals)."""
         if not self._solo:
+            self._hyper.publish(r, self._reducer.seq[r])
             try:
                 self._reducer.reduce(ctx, r)
             except BaseException:  # refused or released: zero_grad() then drops the grads
@@ -235,6 +234,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
         """All-reduces this replica's gradients, then unscales them and checks them for
         inf/NaN (``GradScaler.unscale_`` on the global gradients)."""
         ctx, r = replica_of(self._strategy, "GradScaler.unscale_")
+        self._hyper.publish(r, self._reducer.seq[r])
         self._reducer.reduce(ctx, r)
         found = amp.unscale_grads(self._params[r], inv_scale)
         return found, self._reducer.seq[r]

@@ -6,9 +6,10 @@ the parameter list; each against a one-device reference."""
 from __future__ import annotations
 
 import math
-import time
 import re
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -604,3 +605,60 @@ def test_a_learning_rate_set_after_step_in_the_step_waits_for_the_next_step(
     assert_copies_equal(model)
     for a, b in zip(model.replicas[0].parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_a_gan_step_drops_what_the_generator_loss_left_on_the_discriminator(
+        two: mirrored.MirroredStrategy) -> None:
+    # The generator's loss goes through the discriminator and fills its .grad; the next
+    # iteration's optimizer_d.zero_grad() drops them, as on one device (refused, it
+    # blamed a manual update). The manual update itself is still refused (above).
+    def gen() -> nn.Module:
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6)).double()
+
+    def disc() -> nn.Module:
+        torch.manual_seed(2)
+        return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+
+    bce = nn.BCEWithLogitsLoss(reduction="none")
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(8, 4, generator=g).double(), torch.randn(8, 6, generator=g).double())
+               for _ in range(3)]
+
+    def iteration(G: nn.Module, D: nn.Module, oG: Any, oD: Any, z: torch.Tensor,
+                  real: torch.Tensor, average: Any) -> None:
+        fake = G(z)
+        oD.zero_grad()
+        (average(bce(D(real), torch.ones(len(real), 1, dtype=real.dtype)))
+         + average(bce(D(fake.detach()), torch.zeros(len(z), 1, dtype=z.dtype)))).backward()
+        oD.step()
+        oG.zero_grad()
+        average(bce(D(fake), torch.ones(len(z), 1, dtype=z.dtype))).backward()
+        oG.step()
+
+    G, D = gen(), disc()
+    oG, oD = (torch.optim.Adam(m.parameters(), lr=0.01) for m in (G, D))
+    for z, real in batches:
+        iteration(G, D, oG, oD, z, real, lambda loss: loss.mean())
+    mG, mD = two.mirror(gen()), two.mirror(disc())
+    moG, moD = (two.mirror_optimizer(m, lambda p: torch.optim.Adam(p, lr=0.01)) for m in (mG, mD))
+    for z, real in batches:
+        two.run(iteration, args=(mG, mD, moG, moD, split(z), split(real),
+                                 lambda loss: mirrored.compute_average_loss(loss,
+                                                                            global_batch_size=8)))
+    for mine, theirs in ((mG, G), (mD, D)):
+        assert_copies_equal(mine)
+        for a, b in zip(mine.replicas[0].parameters(), theirs.parameters(), strict=True):
+            torch.testing.assert_close(a, b)
+
+
+def test_a_refused_zero_grad_is_said_once(two: mirrored.MirroredStrategy) -> None:
+    model = two.mirror(net())
+    opt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+    x, y = data()
+    two.run(lambda xs, ys: mirrored.compute_average_loss(
+        (model(xs).squeeze(1) - ys) ** 2).backward(), args=(split(x), split(y)))
+    with pytest.raises(ReplicaDivergenceError, match=r"never all-reduced.*model\.zero_grad"):
+        opt.zero_grad()
+    opt.zero_grad()  # (it raised again and again: nothing cleared the records)
+    assert all(p.grad is None for copy in model.replicas for p in copy.parameters())

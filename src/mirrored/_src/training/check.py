@@ -27,9 +27,11 @@ from ..context import current_replica_context
 from ..errors import ReplicaDivergenceError
 
 __all__ = ["CHEAP_EVERY", "CHECKS", "Check", "GradientWatch", "compare", "crossed_message",
-           "discarded_message", "fingerprint", "modified_message", "same_divisors"]
+           "STEPS", "discarded_message", "fingerprint", "modified_message", "same_divisors"]
 
 Check = Literal["cheap", "full", "off"]
+# Mirrored optimizer steps taken in this process, by any optimizer (`GradientWatch.discards`).
+STEPS = [0]
 CHECKS: tuple[Check, ...] = ("cheap", "full", "off")
 # check="cheap" compares fingerprints at the first step and every CHEAP_EVERY-th after
 # (~50 us per check on the benchmark MLP under load; under 1 % of a step amortized).
@@ -155,6 +157,7 @@ class GradientWatch:
         # Per replica: seen holds a backward's gradients (public: a hot path reads it).
         self.fresh = [False] * len(params)
         self._queued = [False] * len(params)
+        self.at = [0] * len(params)  # per replica: `STEPS` when its last backward ended
         self._every, self._settled = CHEAP_EVERY if check == "cheap" else 1, 0
         self.handles = self._register()  # (changed in place: the finalizer holds it)
         # A watch dropped with its optimizer takes its hooks along (their closures do
@@ -175,6 +178,7 @@ class GradientWatch:
     def _hook(self, r: int) -> Callable[[torch.Tensor], None]:
         # Closures over locals: these run between the kernels of every backward.
         params, seen_all, pending, queued = self._params[r], self.seen, self.fresh, self._queued
+        at = self.at
         none, known, crossed = self._none[r], self._known, self.crossed
         # torch's engine runs queued callbacks when this backward pass ends (a private
         # entry point, stable since torch 1.x; DDP's reducer uses it).
@@ -182,6 +186,7 @@ class GradientWatch:
 
         def snapshot() -> None:
             queued[r] = False
+            at[r] = STEPS[0]
             seen: list[tuple[torch.Tensor, int] | None] = []
             for p in params:
                 g = p.grad
@@ -201,6 +206,14 @@ class GradientWatch:
     def pending(self, r: int) -> bool:
         """Whether replica ``r`` accumulated gradients since its last all-reduce."""
         return self.fresh[r]
+
+    def discards(self, r: int) -> bool:
+        """Whether ``zero_grad()`` on replica ``r`` now drops the gradients of its last
+        backward, pending, when no mirrored optimizer has stepped since: the mark of a
+        manual update. Gradients another optimizer's backward left (a GAN's generator
+        loss reaches the discriminator), followed by that optimizer's step, drop as on
+        one device."""
+        return self.fresh[r] and self.at[r] == STEPS[0]
 
     def modified(self, r: int, params: Sequence[nn.Parameter]) -> list[int]:
         """The parameters whose gradient changed since backward put it there.
@@ -307,8 +320,8 @@ def discarded_message(replica: int) -> str:
             "were never all-reduced (backward() ran, but no optimizer.step() since): a manual "
             "update (p.data.add_(p.grad, alpha=-lr)) trains each copy on its own batch, so the "
             "copies drift apart. Update with optimizer.step(), which all-reduces first; to drop "
-            "a step's gradients on purpose, call optimizer.step() with a learning rate of 0 or "
-            "do not call backward()")
+            "a step's gradients on purpose (a step skipped alike on every replica), call "
+            "model.zero_grad() on the mirrored model")
 
 
 def crossed_message(running: int, copy: int) -> str:

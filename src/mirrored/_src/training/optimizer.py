@@ -27,7 +27,7 @@ from ..errors import ReplicaDivergenceError
 from . import amp, direct
 from . import overlap as _overlap
 from .buffers import BUFFER_RULES, BufferRule
-from .check import CHECKS, Check, GradientWatch, discarded_message
+from .check import CHECKS, STEPS, Check, GradientWatch, discarded_message
 from .hyper import StepHyperParameters
 from .module import MirroredModule, as_mirrored_module, replica_index, replica_of
 from .plain_optimizer import refuse_scheduler, trust
@@ -45,17 +45,15 @@ MakeOptimizer = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 class MirroredOptimizer(torch.optim.Optimizer):
     """Steps every replica's optimizer with gradients all-reduced across replicas.
 
-    A ``torch.optim.Optimizer`` (so LR schedulers accept it) whose
-    ``param_groups``, ``state`` and ``defaults`` are replica 0's optimizer's: a
-    scheduler or user changing ``param_groups[i]["lr"]`` changes replica 0's, and
-    each replica copies replica 0's hyper-parameters into its own optimizer at
-    ``step()``. Build with `mirror_optimizer`.
+    A ``torch.optim.Optimizer`` (so LR schedulers accept it) whose ``param_groups``,
+    ``state`` and ``defaults`` are replica 0's optimizer's: a scheduler or user changing
+    ``param_groups[i]["lr"]`` changes replica 0's, and each replica copies replica 0's
+    hyper-parameters into its own optimizer at ``step()``. Build with `mirror_optimizer`.
 
-    Gradients that are ``None`` on a replica (an unused parameter, an empty batch
-    that skipped a branch) count as zeros in the all-reduce, so every replica
-    makes the same collective; a parameter whose gradient is ``None`` on every
-    replica keeps ``None`` and is skipped by the optimizer, as in single-device
-    training.
+    Gradients that are ``None`` on a replica (an unused parameter, an empty batch that
+    skipped a branch) count as zeros in the all-reduce, so every replica makes the same
+    collective; a parameter whose gradient is ``None`` on every replica keeps ``None``
+    and is skipped by the optimizer, as in single-device training.
 
     Example:
         >>> import torch, mirrored
@@ -171,6 +169,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step(self, clip_grad_norm: float | None) -> None:
+        STEPS[0] += 1  # (`GradientWatch.discards`)
         ctx = context.current_replica_context()  # (replica_of's lookup, inlined)
         r = None if ctx is None else self._known.get(ctx)
         if ctx is None or r is None:
@@ -263,10 +262,12 @@ class MirroredOptimizer(torch.optim.Optimizer):
             r = replica_index(self._strategy, "MirroredOptimizer.zero_grad", required=False)
         replicas = range(len(self._optimizers)) if r is None else (r,)
         watch, reduced = self._watch, self._reducer.reduced
-        for i in replicas:
-            if (watch.fresh[i] and not reduced[i]) if watch is not None else (
-                    self._reducer.discards(i)):
-                raise ReplicaDivergenceError(discarded_message(i))
+        lost = [i for i in replicas if ((watch.discards(i) and not reduced[i])
+                                        if watch is not None else self._reducer.discards(i))]
+        if lost:  # (said once: the records go, and the next zero_grad() drops them)
+            for w, i in ((w, i) for w in (watch, self._reducer._watch) if w for i in replicas):
+                w.clear(i)
+            raise ReplicaDivergenceError(discarded_message(lost[0]))
         for i in replicas:  # (all-reduced by unscale_: discarded now)
             reduced[i] = False
             if (carried := self._reducer.carried) is not None:
@@ -292,8 +293,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Not supported: build the optimizer with all its groups in ``make_optimizer``."""
-        raise NotImplementedError("MirroredOptimizer cannot add parameter groups after "
-                                  "creation; create them all in make_optimizer")
+        raise NotImplementedError("MirroredOptimizer cannot add parameter groups; make "
+                                  "them all in make_optimizer")
 
     def __repr__(self) -> str:
         return f"MirroredOptimizer({len(self._optimizers)} x {self._optimizers[0]!r})"

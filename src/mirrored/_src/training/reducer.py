@@ -167,8 +167,9 @@ class GradientReducer:
         return result
 
     def discards(self, r: int) -> bool:
-        """Whether replica ``r`` holds gradients of a ``backward()`` not yet all-reduced."""
-        return self._watch is not None and self._watch.pending(r) and not self.reduced[r]
+        """Whether replica ``r`` holds gradients of a ``backward()`` not yet all-reduced,
+        and no mirrored optimizer stepped since (`GradientWatch.discards`)."""
+        return self._watch is not None and self._watch.discards(r) and not self.reduced[r]
 
     def reduce(self, ctx: ReplicaContext, r: int) -> None:
         """One fused all-reduce of local replica ``r``'s gradients, flags, fingerprints

@@ -340,6 +340,20 @@ def test_misuse_is_refused(two: mirrored.MirroredStrategy) -> None:
         two.mirror_optimizer(torch.compile(net(), backend="eager"), torch.optim.SGD)
 
 
+@pytest.mark.parametrize("kind", [nn.Embedding, nn.EmbeddingBag])
+def test_an_embedding_with_max_norm_is_refused_on_several_replicas(
+        two: mirrored.MirroredStrategy, kind: type[nn.Module]) -> None:
+    # It renormalizes, in place in forward, the rows each replica's own batch looks up:
+    # the copies drifted apart (refused at the first step naming a manual update, or
+    # silently with check="off").
+    model = nn.Sequential(nn.Linear(2, 2), kind(10, 4, max_norm=1.0))
+    with pytest.raises(ValueError, match=r": 1 is an embedding with max_norm.*each replica"):
+        two.mirror(model)
+    one = mirrored.MirroredStrategy(["CPU:0"])  # one replica: one device's forward
+    assert one.mirror(kind(10, 4, max_norm=1.0)).max_norm == 1.0
+    assert two.mirror(kind(10, 4)).max_norm is None
+
+
 @pytest.mark.timeout(30)
 def test_batch_norm_buffers_are_listed_for_the_optimizer(
         two: mirrored.MirroredStrategy) -> None:

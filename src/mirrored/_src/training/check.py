@@ -119,7 +119,9 @@ def compare(table: torch.Tensor, names: Sequence[str], step: int, params: int = 
         where + "The gradients were all-reduced, so the copies were changed outside "
         "optimizer.step(): a manual update (p.data.add_(p.grad, alpha=-lr), or "
         "p -= lr * p.grad under no_grad) trains each copy on its own batch, and code that "
-        "changes one copy (model.replicas[i]) breaks the mirror. Make every update "
+        "changes one copy (model.replicas[i]) breaks the mirror, as does a forward pass "
+        "that changes a parameter in place from its replica's own batch (F.embedding's "
+        "max_norm renormalizes the rows that batch looks up). Make every update "
         "through optimizer.step() (it all-reduces first), and change the copies outside "
         "strategy.run with model.load_state_dict")
 

@@ -340,6 +340,8 @@ def mirror(strategy: Strategy, module: nn.Module, *,
     Raises:
         TypeError: ``module`` is not a ``torch.nn.Module``, or was compiled in place
             with ``module.compile()`` (compile the mirrored module instead).
+        ValueError: an ``nn.Embedding`` or ``nn.EmbeddingBag`` with ``max_norm``, on
+            more than one replica (it changes its weight from each replica's batch).
         RuntimeError: called inside ``strategy.run``.
 
     Example:
@@ -369,6 +371,16 @@ def mirror(strategy: Strategy, module: nn.Module, *,
         raise TypeError(f"mirror(strategy, module): {inplace[0]} was compiled in place with "
                         ".compile(), which a copy cannot carry over; mirror the plain module and "
                         "call model.compile() on the mirrored model (or mirror torch.compile(m))")
+    renorm = [name or "the module" for name, m in module.named_modules()
+              if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.max_norm is not None]
+    if renorm and strategy.num_replicas_in_sync > 1:
+        raise ValueError(
+            f"mirror(strategy, module): {renorm[0]} is an embedding with max_norm, which "
+            "renormalizes in place, during forward, the rows its batch looks up: each "
+            "replica would renormalize the rows of its own part of the batch, where one "
+            "device renormalizes those of the whole batch, and the copies would drift "
+            "apart. Leave max_norm=None (and constrain the weights after optimizer.step() "
+            "if you need to)")
     devices = [parse_device(name).torch_device for name in strategy.extended.worker_devices]
     if sync_batch_norm:
         module = convert_batch_norm(module)

@@ -662,3 +662,52 @@ def test_a_refused_zero_grad_is_said_once(two: mirrored.MirroredStrategy) -> Non
         opt.zero_grad()
     opt.zero_grad()  # (it raised again and again: nothing cleared the records)
     assert all(p.grad is None for copy in model.replicas for p in copy.parameters())
+
+
+@pytest.mark.parametrize("change", ["clear", "one_entry", "in_place", "read_only"])
+def test_optimizer_state_changed_outside_run_reaches_every_replica(
+        two: mirrored.MirroredStrategy, change: str) -> None:
+    # Outside run, optimizer.state is replica 0's: a reset of Adam's moments there
+    # reached replica 0 alone, and the copies drifted apart silently for up to 8 steps.
+    x, y = data()
+
+    def alter(opt: Any, params: list[torch.Tensor]) -> None:
+        state = opt.state
+        if change == "clear":
+            state.clear()
+        elif change == "one_entry":
+            state[params[0]].clear()
+        elif change == "in_place":
+            state[params[2]]["exp_avg"].zero_()
+        else:
+            assert len(state) == len(params)
+
+    plain = net()
+    opt = torch.optim.Adam(plain.parameters(), lr=0.05)
+    for i in range(5):
+        if i == 3:
+            alter(opt, list(plain.parameters()))
+        opt.zero_grad()
+        ((plain(x).squeeze(1) - y) ** 2).mean().backward()
+        opt.step()
+    model = two.mirror(net())
+    mopt = two.mirror_optimizer(model, lambda p: torch.optim.Adam(p, lr=0.05))
+
+    def step(xs: torch.Tensor, ys: torch.Tensor) -> None:
+        mopt.zero_grad()
+        assert len(mopt.state) in (0, 4)  # (inside run: the replica's own optimizer's)
+        mirrored.compute_average_loss((model(xs).squeeze(1) - ys) ** 2,
+                                      global_batch_size=6).backward()
+        mopt.step()
+
+    for i in range(5):
+        if i == 3:
+            alter(mopt, list(model.parameters()))
+        two.run(step, args=(split(x), split(y)))
+    assert_copies_equal(model)
+    for a, b in zip(model.replicas[0].parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    states = [o.state_dict()["state"] for o in mopt.optimizers]
+    for k in states[0]:
+        for key, value in states[0][k].items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(states[1][k][key]))

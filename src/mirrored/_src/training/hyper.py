@@ -1,4 +1,4 @@
-"""`StepHyperParameters`: the hyper-parameters every local replica steps with.
+"""`StepHyperParameters`: the hyper-parameters and state every local replica steps with.
 
 Each replica steps its own torch optimizer; the learning rate and the other entries
 of the parameter groups are replica 0's (a scheduler sets them on replica 0's, see
@@ -8,10 +8,18 @@ that all-reduce: the meeting orders the two. Read from replica 0's optimizer aft
 the meeting instead, a step function that changes the learning rate after
 ``optimizer.step()`` raced with the replicas still stepping (some took the next
 step's rate).
+
+Outside ``run`` the mirrored optimizer's ``state`` is replica 0's optimizer's. What
+code changes there (``optimizer.state.clear()`` to reset Adam's moments, one
+parameter's entry, a moment zeroed in place) reaches the other local replicas at
+the next step: replica 0 compares its state with a signature taken when it was
+handed out (each entry's keys, value objects and tensor versions) and, before the
+step's all-reduce, copies the entries that changed into the others' optimizers.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,7 +35,7 @@ class StepHyperParameters:
         >>> import torch
         >>> ps = [torch.zeros(1, requires_grad=True) for _ in range(2)]
         >>> opts = [torch.optim.SGD([p], lr=0.1) for p in ps]
-        >>> hyper = StepHyperParameters(opts)
+        >>> hyper = StepHyperParameters(opts, [[p] for p in ps])
         >>> hyper.publish(0, 7)
         >>> opts[0].param_groups[0]["lr"] = 0.5  # replica 0 moved on
         >>> hyper.take(1, 7)
@@ -35,13 +43,46 @@ class StepHyperParameters:
         0.1
     """
 
-    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        self._optimizers = optimizers
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer],
+                 params: Sequence[Sequence[torch.Tensor]]) -> None:
+        self._optimizers, self._params = optimizers, params
         self._by_step: dict[int, list[dict[str, Any]]] = {}
+        self._handed_out: list[Any] | None = None  # replica 0's state's signature
+
+    def state_handed_out(self) -> None:
+        """Replica 0's state was handed out (outside ``run``): notes its signature."""
+        if len(self._optimizers) > 1 and self._handed_out is None:
+            self._handed_out = self._signature()
+
+    def _signature(self) -> list[Any]:
+        state = self._optimizers[0].state
+        return [None if (entry := state.get(p)) is None else (id(entry), [
+            (key, id(v), v._version if isinstance(v, torch.Tensor) else v)
+            for key, v in entry.items()]) for p in self._params[0]]
+
+    def _spread_state(self) -> None:
+        """Replica 0's state entries changed since handed out, into the others'."""
+        was, self._handed_out = self._handed_out, None
+        if was is None:
+            return
+        source = self._optimizers[0].state
+        for k, (before, now) in enumerate(zip(was, self._signature(), strict=True)):
+            if before == now:
+                continue
+            entry = source.get(self._params[0][k])
+            for r in range(1, len(self._optimizers)):
+                p, state = self._params[r][k], self._optimizers[r].state
+                if entry is None:
+                    state.pop(p, None)
+                else:
+                    state[p] = {key: v.detach().to(p.device, copy=True)
+                                if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                                for key, v in entry.items()}
 
     def publish(self, r: int, step: int) -> None:
         """Replica ``r``'s call before the all-reduce of ``step``: replica 0 records."""
         if r == 0 and len(self._optimizers) > 1:
+            self._spread_state()
             self._by_step[step] = [
                 {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
                  for k, v in group.items() if k != "params"}

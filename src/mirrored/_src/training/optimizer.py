@@ -78,8 +78,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
                  params: tuple[list[nn.Parameter], ...], names: list[str], *,
                  check: Check = "cheap", buffers: BufferRule = "average",
                  overlap: bool = False) -> None:
-        # Optimizer.__init__ is not called: it would build param groups of its own.
-        # These are the hook tables it sets, so torch's hook registration works.
+        # Not Optimizer.__init__ (its own param groups): its hook tables, for torch's hooks.
         for table in ("step_pre", "step_post", "state_dict_pre", "state_dict_post",
                       "load_state_dict_pre", "load_state_dict_post"):
             setattr(self, f"_optimizer_{table}_hooks", OrderedDict())
@@ -89,7 +88,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
         parts = module.strategy._parts  # one replica in all: no reducer call, the same refusals
         self._solo = parts.topology.num_replicas_in_sync == 1 and parts.cluster is None
         self._watch = GradientWatch(params, check) if self._solo and check != "off" else None
-        self._hyper = StepHyperParameters(self._optimizers)
+        self._hyper = StepHyperParameters(self._optimizers, params)
         self._reducer = GradientReducer(module, params, names,
                                         check="off" if self._solo else check, buffers=buffers,
                                         overlap=overlap, bucket_bytes=_overlap.DEFAULT_BUCKET_BYTES)
@@ -106,8 +105,11 @@ class MirroredOptimizer(torch.optim.Optimizer):
 
     @property
     def state(self) -> Any:  # type: ignore[override]
-        """Replica 0's optimizer's state."""
-        return self._optimizers[0].state
+        """The calling replica's optimizer's state inside ``run``, replica 0's elsewhere
+        (changes to it reach every replica at the next step: `StepHyperParameters`)."""
+        if (r := replica_index(self._strategy, "MirroredOptimizer.state", required=False)) is None:
+            self._hyper.state_handed_out()
+        return self._optimizers[r or 0].state
 
     @property
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]
@@ -128,18 +130,17 @@ class MirroredOptimizer(torch.optim.Optimizer):
              clip_grad_norm: float | None = None) -> Any:
         """All-reduces the gradients (SUM) and steps this replica's optimizer.
 
-        Call it in every replica, inside ``strategy.run``, after ``backward()``.
-        With losses from ``compute_average_loss`` the summed gradients are those
-        of the global-batch mean loss. With a ``torch.amp.GradScaler``, call
+        Call it in every replica, inside ``strategy.run``, after ``backward()``. With
+        losses from ``compute_average_loss`` the summed gradients are those of the
+        global-batch mean loss. With a ``torch.amp.GradScaler``, call
         ``scaler.step(optimizer)`` as on one device.
 
         Args:
-            closure: optional; called once (with grad enabled) before the
-                all-reduce, and its result returned. Optimizers that call their
-                closure several times (LBFGS) are not supported.
-            clip_grad_norm: if given, the reduced gradients are scaled so their
-                global 2-norm is at most this (``torch.nn.utils.clip_grad_norm_``
-                on the reduced gradients; Keras' ``global_clipnorm``).
+            closure: optional; called once (with grad enabled) before the all-reduce,
+                and its result returned (not LBFGS, which calls it several times).
+            clip_grad_norm: if given, the reduced gradients are scaled so their global
+                2-norm is at most this (``clip_grad_norm_`` on the reduced gradients;
+                Keras' ``global_clipnorm``).
 
         Returns:
             The closure's result, or ``None``.
@@ -220,9 +221,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
         return replica_index(self._strategy, "GradScaler.step", required=False)
 
     def amp_settle(self, stepped: bool) -> None:
-        """One replica, torch's own scaler: before its ``unscale_`` the gradients are
-        settled as N replicas' all-reduce settles them (changed since ``backward()``:
-        refused); after its ``step`` (taken or skipped) they are used up."""
+        """One replica, torch's own scaler: gradients settled before its ``unscale_``
+        (changed since ``backward()``: refused), used up after its ``step``."""
         r = replica_index(self._strategy, "GradScaler.unscale_", required=False)
         if r is not None and stepped:
             self._reducer.reduced[r] = False
@@ -230,8 +230,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
             self._settle(*replica_of(self._strategy, "GradScaler.unscale_"))
 
     def amp_unscale(self, inv_scale: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """All-reduces this replica's gradients, then unscales them and checks them for
-        inf/NaN (``GradScaler.unscale_`` on the global gradients)."""
+        """``GradScaler.unscale_`` on the all-reduced gradients (unscaled, inf/NaN found)."""
         ctx, r = replica_of(self._strategy, "GradScaler.unscale_")
         self._hyper.publish(r, self._reducer.seq[r])
         self._reducer.reduce(ctx, r)
@@ -240,8 +239,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
 
     def amp_step(self, found_inf: torch.Tensor, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> Any:
-        """Steps every copy (gradients reduced and unscaled), or none if ``found_inf``
-        (the same on every replica: it was found in the reduced gradients)."""
+        """Steps every copy, or none if ``found_inf`` (in the reduced gradients: alike)."""
         if found_inf.item():
             r = replica_index(self._strategy, "GradScaler.step", required=True)
             self._reducer.reduced[r or 0] = False
@@ -293,8 +291,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Not supported: build the optimizer with all its groups in ``make_optimizer``."""
-        raise NotImplementedError("MirroredOptimizer cannot add parameter groups; make "
-                                  "them all in make_optimizer")
+        raise NotImplementedError("MirroredOptimizer cannot add parameter groups after "
+                                  "creation; create them all in make_optimizer")
 
     def __repr__(self) -> str:
         return f"MirroredOptimizer({len(self._optimizers)} x {self._optimizers[0]!r})"

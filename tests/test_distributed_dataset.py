@@ -896,3 +896,43 @@ def test_a_loader_sharded_by_a_distributed_sampler_is_refused(where):
     steps = [torch.cat(b[0].values).tolist()
              for b in strategy.experimental_distribute_dataset(whole)]
     assert steps == [[0.0, 1, 2, 3], [4.0, 5, 6, 7], [8.0, 9, 10, 11]]
+
+
+class _Numbers:
+    """A one-shot iterator without ``close`` (a sampler, a stream): a new pass goes on."""
+
+    def __init__(self, n: int) -> None:
+        self._it = iter(range(n))
+
+    def __iter__(self) -> _Numbers:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        i = next(self._it)
+        return torch.tensor([2.0 * i, 2.0 * i + 1])
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+@pytest.mark.parametrize("source", ["iter_list", "custom"])
+def test_a_break_keeps_the_steps_prefetched_from_a_one_shot_source(
+        two: mirrored.MirroredStrategy, depth: int, source: str) -> None:
+    # The prefetch thread had read ahead of a loop that broke out; a one-shot source's
+    # next pass goes on after what the thread had read: those steps were lost.
+    def make() -> Any:
+        if source == "custom":
+            return _Numbers(10)
+        return iter([torch.tensor([2.0 * i, 2.0 * i + 1]) for i in range(10)])
+
+    dataset = two.experimental_distribute_dataset(make(), options(depth))
+    seen = []
+    for taken, step in enumerate(dataset):
+        seen.append(torch.cat(two.experimental_local_results(step)))
+        if taken == 2:
+            break
+    time.sleep(0.05)  # (the thread has filled its channel and waits)
+    for step in dataset:
+        seen.append(torch.cat(two.experimental_local_results(step)))
+        break
+    seen += [torch.cat(two.experimental_local_results(step)) for step in dataset]
+    assert torch.cat(seen).tolist() == [float(i) for i in range(20)]
+    wait_no_prefetch_threads()

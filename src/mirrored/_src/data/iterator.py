@@ -12,7 +12,8 @@ does.
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Sequence
+from collections import deque
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import torch
@@ -102,7 +103,14 @@ class DistributedIterator:
         depth = options.prefetch_depth
         if depth is None:
             depth = default_depth(devices, options.experimental_fetch_to_device)
-        self._steps = Prefetcher(steps, depth) if depth else InlineSteps(steps)
+        # A one-shot source's dataset passes its own `ReadAhead`: the steps a pass read
+        # ahead (the vote's, the prefetch thread's) and did not hand out go to the next.
+        if ahead is not None and not ahead.claim(self):
+            ahead = None  # (another pass of this dataset is live: this one reads alone)
+        self._held = ahead if ahead is not None else ReadAhead()
+        self._ahead, self._keeps = self._held.steps, ahead is not None
+        self._steps = (Prefetcher(steps, depth, self._ahead if self._keeps else None)
+                       if depth else InlineSteps(steps))
         # The next step: the generator's own __next__ when inline (no frame in between).
         self._next_step = self._steps.next_step if depth else steps.__next__
         self._any_worker = any_worker
@@ -122,14 +130,11 @@ class DistributedIterator:
         # stepping on empty batches, leaves the count to compute_average_loss.
         self._tagged = tagged
         self._everyone = 0  # the steps every worker has (known at the agreement)
-        # A vote per window (`_window_step`): the steps read ahead (a one-shot source's
-        # dataset passes its own `ReadAhead`: what a pass left), the window's steps
-        # left and handed out so far.
+        # A vote per window (`_window_step`): the steps read ahead (`_ahead`), the
+        # window's steps left and handed out so far.
         self._windowed = isinstance(any_worker, WorkerVote) and any_worker.tells_each
-        if ahead is not None and not ahead.claim(self):
-            ahead = None  # (another pass of this dataset is live: this one reads alone)
-        self._held = ahead if ahead is not None else ReadAhead()
-        self._ahead, self._keeps = self._held.steps, ahead is not None
+        if self._ahead and not self._windowed:  # what the last pass left, first
+            self._next_step = _left_first(self._ahead, self._next_step)
         self._left = self._handed = 0
         self._final = False  # the window is the last: every source had ended
         # Steps read ahead: VOTE_AHEAD by default; an explicit prefetch depth bounds it
@@ -369,3 +374,10 @@ class DistributedIterator:
         if not self._keeps:
             self._ahead.clear()
         self._steps.close()
+
+
+def _left_first(left: deque[Any], next_step: Callable[[], Any]) -> Callable[[], Any]:
+    """``next_step`` after the steps in ``left`` (what the last pass left)."""
+    def step() -> Any:
+        return left.popleft() if left else next_step()
+    return step

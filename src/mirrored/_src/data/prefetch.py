@@ -60,21 +60,25 @@ class _Failure:
 class _Channel:
     """A bounded single-producer, single-consumer hand-off that can be closed."""
 
-    def __init__(self, depth: int) -> None:
+    def __init__(self, depth: int, keep: collections.deque[Any] | None = None) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._items: collections.deque[Any] = collections.deque()
         self._depth = depth
         self._closed = False
         self.producer_waiting = False
+        self.keep = keep  # where closing leaves the steps read and not handed out
 
     def put(self, item: Any) -> bool:
-        """Appends ``item`` once there is room; False (dropping it) if the channel closed."""
+        """Appends ``item`` once there is room; False if the channel closed (``item``
+        then goes to ``keep``, if any, else is dropped)."""
         with self._cond:
             while len(self._items) >= self._depth and not self._closed:
                 self.producer_waiting = True
                 self._cond.wait()
                 self.producer_waiting = False
             if self._closed:
+                if self.keep is not None and not isinstance(item, _Failure) and item is not _END:
+                    self.keep.append(item)
                 return False
             self._items.append(item)
             self._cond.notify()
@@ -90,9 +94,13 @@ class _Channel:
             return item
 
     def close(self) -> bool:
-        """Drops what is queued and wakes the producer; True if it was waiting for room."""
+        """Drops what is queued (or leaves it in ``keep``) and wakes the producer; True
+        if it was waiting for room."""
         with self._cond:
             self._closed = True
+            if self.keep is not None:
+                self.keep.extend(i for i in self._items
+                                 if not isinstance(i, _Failure) and i is not _END)
             self._items.clear()
             self._cond.notify_all()
             return self.producer_waiting
@@ -170,6 +178,10 @@ class Prefetcher:
     Args:
         steps: a generator of prepared steps; closed when the prefetcher stops.
         depth: how many prepared steps may wait in the channel (>= 1).
+        keep: where a prefetcher closed or dropped before the end leaves the steps it
+            read and did not hand out, in order (a one-shot source's next pass takes
+            them first: `ReadAhead`). Closing then waits for a read in progress (for
+            at most `EXIT_JOIN_SECONDS`; a step read later is dropped).
 
     Example:
         >>> p = Prefetcher((i * i for i in range(3)), depth=2)
@@ -181,8 +193,9 @@ class Prefetcher:
         StopIteration
     """
 
-    def __init__(self, steps: Generator[Any, None, None], depth: int) -> None:
-        channel = _Channel(depth)
+    def __init__(self, steps: Generator[Any, None, None], depth: int,
+                 keep: collections.deque[Any] | None = None) -> None:
+        channel = _Channel(depth, keep)
         self._channel = channel
         self._done = False
         streams = RandomStreams([0])
@@ -193,7 +206,7 @@ class Prefetcher:
         with _producers_lock:
             _producers[self._thread] = channel
         self._thread.start()
-        self._finalizer = weakref.finalize(self, channel.close)
+        self._finalizer = weakref.finalize(self, _stop, channel, self._thread)
 
     def next_step(self) -> Any:
         """The next prepared step.
@@ -223,9 +236,17 @@ class Prefetcher:
         if self._done:
             return
         self._done = True
-        if self._channel.close():
-            self._thread.join()
-        self._finalizer.detach()
+        self._finalizer()
+
+
+def _stop(channel: _Channel, thread: threading.Thread) -> None:
+    """Closes ``channel``; waits for its producer if it waits for room, or if what it
+    holds is kept (then for at most `EXIT_JOIN_SECONDS`: a later step is dropped)."""
+    if channel.close() or channel.keep is not None:
+        if thread is not threading.current_thread():
+            thread.join(EXIT_JOIN_SECONDS if channel.keep is not None else None)
+        with channel._cond:
+            channel.keep = None
 
 
 class InlineSteps:

@@ -421,3 +421,31 @@ def test_a_collective_that_a_peer_never_joins_times_out():
     assert 1.4 <= float(seconds) < 8.0  # generous: the 2 shared cores are loaded in CI
     # Our deadline fires (Gloo's own timeout is longer): the user's call, named.
     assert "waited 1.5 s in Strategy.reduce(SUM of float32[]) at test_multi_worker.py:" in message
+
+
+def _gather_worker(local: int) -> list[list[float]]:
+    strategy = _strategy(local)
+    try:
+        out = []
+        batches = [torch.arange(8.0), torch.arange(8.0, 13.0)]  # the last one partial
+        for x in strategy.experimental_distribute_dataset(batches):
+            predictions = strategy.run(lambda x: x * 10, args=(x,))
+            assert (type(predictions) is torch.Tensor) is (local == 1)
+            out.append(strategy.gather(predictions, axis=0).tolist())
+            nest = strategy.gather({"p": predictions, "w": torch.tensor(
+                [float(strategy.cluster_resolver.worker_index)])}, axis=-1)
+            out.append(nest["p"].tolist() + nest["w"].tolist())
+        return out
+    finally:
+        strategy.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("local", [1, 2])
+def test_gather_of_a_run_result_has_every_workers_rows(local: int) -> None:
+    # On a worker of one replica run returns a plain tensor; gather returned it as is
+    # (this worker's rows alone) where reduce combined it across workers.
+    results = mirrored.testing.run_multi_process(_gather_worker, 2, args=(local,), timeout=100)
+    full = [[10.0 * i for i in range(8)], [10.0 * i for i in range(8, 13)]]
+    for out in results:
+        assert out == [full[0], full[0] + [0.0, 1.0], full[1], full[1] + [0.0, 1.0]]

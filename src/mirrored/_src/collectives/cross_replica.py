@@ -200,13 +200,23 @@ def gather(parts: Parts, value: Any, axis: int) -> Any:
     destination = _destination(device)
     paths, leaves, spec = pytree.flatten_with_path(value)
     out = []
+    topology = parts.topology
     for path, leaf in zip(paths, leaves, strict=True):
-        if not isinstance(leaf, DistributedValues):
+        where = pytree.format_path(path)
+        if isinstance(leaf, DistributedValues):
+            check_components(parts, leaf, where)
+            components = [_detached(to_tensor(v, where, "gather")) for v in leaf.values]
+        elif topology.worker_values:
+            # Across workers, a plain value is this worker's, once (as `reduce` takes
+            # it): what `run` returns on a worker of one replica is such a value, and
+            # gathering it must reach the other workers' rows.
+            tensor = _detached(to_tensor(leaf, where, "gather"))
+            dim = plan_gather(title, [tensor], axis, topology.labels[:1], where)
+            components = [tensor] + [tensor.narrow(dim, 0, 0)] * (topology.num_local_replicas
+                                                                   - 1)
+        else:
             out.append(leaf)
             continue
-        where = pytree.format_path(path)
-        check_components(parts, leaf, where)
-        components = [_detached(to_tensor(v, where, "gather")) for v in leaf.values]
         dim = plan_gather(title, components, axis, parts.topology.labels, where)
         copies, _ = parts.communicators.default.gather(components, dim, destination)
         out.append(_to(copies[0], device))

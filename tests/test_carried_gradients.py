@@ -5,6 +5,9 @@ backward whose start the mirrored model did not see onto left gradients raises."
 
 from __future__ import annotations
 
+import dataclasses
+import gc
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -250,3 +253,129 @@ def test_across_workers_with_buckets(name: str, local: int) -> None:
     expected = one_device(PROGRAMS[name])
     for params in results:
         assert_close(params, expected)
+
+
+def skip_by_hand(i: int, m: Any, opt: Any, x: torch.Tensor, y: torch.Tensor,
+                 avg: Any) -> None:
+    # A step skipped on purpose after backward; the gradients are dropped by hand.
+    avg(criterion(logits(m(x)), y)).backward()
+    if i == 2:
+        m.zero_grad()
+        return
+    if i == 4:
+        for p in m.parameters():
+            p.grad = None
+        return
+    opt.step()
+
+
+def test_kept_gradients_cleared_by_the_model_or_by_hand_are_gone(
+        two: mirrored.MirroredStrategy) -> None:
+    # What a backward kept aside survived model.zero_grad() and p.grad = None, and was
+    # added back at the next step (the DCGAN example's netD.zero_grad()).
+    assert_close(train(two, skip_by_hand)[0], one_device(skip_by_hand))
+
+
+class Scaled(Net):
+    """A learned temperature used in the loss outside forward (CLIP's logit_scale)."""
+
+    def __init__(self, output: str = "tensor") -> None:
+        super().__init__(output)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+
+def test_a_parameter_used_outside_forward_onto_left_gradients_raises(
+        two: mirrored.MirroredStrategy) -> None:
+    # torch accumulates its gradient before the outputs' hook fires: it was summed once
+    # per replica, silently. With zero_grad() the same loop trains as one device.
+    def step(m: Any, opt: Any, x: torch.Tensor, zero: bool) -> None:
+        if zero:
+            opt.zero_grad()
+        mirrored.compute_average_loss((m(x) * m.scale).pow(2).sum(1)).backward()
+        opt.step()
+
+    x = torch.randn(4, 4)
+    for zero in (True, False):
+        torch.manual_seed(0)
+        model = two.mirror(Scaled())
+        opt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.01))
+        two.run(step, args=(model, opt, x, zero))
+        if zero:
+            two.run(step, args=(model, opt, x, zero))
+            continue
+        with pytest.raises(RuntimeError, match=r"outside the forward.*zero_grad"):
+            two.run(step, args=(model, opt, x, zero))
+
+
+class Box(dict):
+    pass
+
+
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+
+
+class Wrapped(Net):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, x: torch.Tensor) -> Any:
+        y = super().forward(x)
+        return Box(logits=y) if self.kind == "box" else Output(y)
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("kind", ["box", "dataclass"])
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_outputs_of_any_container_class_are_seen(two: mirrored.MirroredStrategy, kind: str,
+                                                  create_graph: bool) -> None:
+    def run(model: Any, opt: Any, parts: list[torch.Tensor], average: Any) -> None:
+        out = model(parts[0])
+        y = out["logits"] if isinstance(out, dict) else out.logits
+        average(criterion(y, parts[1])).backward(create_graph=create_graph)
+        opt.step()
+
+    xs, ys = data()
+    torch.manual_seed(0)
+    plain = Wrapped(kind)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    for i in range(STEPS):
+        run(plain, opt, [xs[i], ys[i]], lambda loss: loss.mean())
+    torch.manual_seed(0)
+    model = two.mirror(Wrapped(kind))
+    mopt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    for i in range(STEPS):
+        two.run(lambda x, y: run(model, mopt, [x, y], lambda loss: mirrored.compute_average_loss(
+            loss, global_batch_size=12)), args=(mirrored.PerReplica(list(xs[i].chunk(2))),
+                                                mirrored.PerReplica(list(ys[i].chunk(2)))))
+    assert_close([p.detach() for p in model.parameters()],
+                 [p.detach() for p in plain.parameters()])
+
+
+def test_a_parameter_returned_by_forward_gets_no_hooks_and_grads_are_not_held(
+        two: mirrored.MirroredStrategy) -> None:
+    class Returns(Net):
+        def forward(self, x: torch.Tensor) -> Any:
+            return super().forward(x), self.b.bias  # a leaf: its own hook would stay
+
+    torch.manual_seed(0)
+    model = two.mirror(Returns())
+    opt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+    x = mirrored.PerReplica([torch.randn(3, 4), torch.randn(3, 4)])
+
+    def step(x: torch.Tensor) -> None:
+        out, bias = model(x)
+        mirrored.compute_average_loss(out.sum(1) + 0 * bias.sum()).backward()
+        opt.step()
+
+    for _ in range(5):
+        two.run(step, args=(x,))
+    assert not model.replicas[0].b.bias._backward_hooks
+    grads = [weakref.ref(p.grad) for copy in model.replicas for p in copy.parameters()]
+    for copy in model.replicas:
+        for p in copy.parameters():
+            p.grad = None
+    gc.collect()
+    assert all(g() is None for g in grads)  # (the step's records are weak)

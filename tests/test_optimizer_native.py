@@ -711,3 +711,26 @@ def test_optimizer_state_changed_outside_run_reaches_every_replica(
     for k in states[0]:
         for key, value in states[0][k].items():
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(states[1][k][key]))
+
+
+def test_a_manual_update_beside_another_optimizers_step_is_still_refused(
+        two: mirrored.MirroredStrategy) -> None:
+    # Two optimizers over two parts of one model; part b is updated by hand from its
+    # own replica's gradient after part a's optimizer stepped. That step must not pass
+    # for a GAN's (the parameters changed since backward): the copies drifted silently.
+    model = two.mirror(net())
+    oa = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p[:2], lr=0.1))
+    ob = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p[2:], lr=0.1))
+    x, y = data()
+
+    def step(xs: torch.Tensor, ys: torch.Tensor) -> None:
+        mirrored.compute_average_loss((model(xs).squeeze(1) - ys) ** 2).backward()
+        oa.step()
+        with torch.no_grad():
+            for p in list(model.parameters())[2:]:
+                p -= 0.1 * p.grad
+        oa.zero_grad()
+        ob.zero_grad()
+
+    with pytest.raises(ReplicaDivergenceError, match=r"never all-reduced.*manual update"):
+        two.run(step, args=(split(x), split(y)))

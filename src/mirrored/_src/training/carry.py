@@ -3,35 +3,43 @@
 On one device, a ``backward()`` after ``optimizer.step()`` without ``zero_grad()``
 adds to the gradient the step used: the next step sees that old gradient once plus
 the new one. On N replicas every copy holds the old (all-reduced) gradient, and a
-plain all-reduce would sum it N times. So the old gradient is taken out of every
-replica's ``.grad`` before the next backward adds to it, kept aside (each replica
-keeps its own copy, and they are equal), and added back to the all-reduced sum of
-the new gradients: one device's ``old + new``.
+plain all-reduce would sum it N times. So when the next backward starts, the old
+gradient is taken out of every replica's ``.grad`` (a zero tensor of ours takes its
+place, which the backward adds into), kept aside (each replica keeps its own copy,
+and they are equal), and added back once to the all-reduced sum: one device's
+``old + new``, also for a parameter the new backward does not reach.
 
-What is "left": at the end of each step a replica's gradients are recorded with
-their version counters. A gradient that is still the same tensor at the same
-version when the next backward starts was not touched since (``zero_grad()``
-replaces it or, with ``set_to_none=False``, zeroes it in place: either way it is
-no longer left). Backward starts are seen by a hook on the mirrored model's
-outputs, registered only while some replica holds recorded gradients (a loop that
-calls ``zero_grad()`` before the forward pass registers none). A step reached with
-no backward since the last one (``step()`` twice) finds its gradients untouched and
-treats them the same way. A backward whose start was not seen (the forward ran a
-submodule or ``model.module`` directly) onto gradients left from the last step
-cannot be told from one after an in-place ``p.grad.zero_()``: the step raises
-rather than guess.
+What is "left": at the end of each step a replica's gradients are recorded (weakly)
+with their version counters. A gradient still the same tensor at the same version
+was not touched since: ``zero_grad()`` replaces it or, with ``set_to_none=False``,
+zeroes it in place, and either way it is no longer left (the mirrored optimizer's
+and model's ``zero_grad`` also forget what was kept). Backward starts are seen by a
+hook on the mirrored model's outputs, registered only while some replica holds
+records (a loop that calls ``zero_grad()`` before the forward pass registers none).
+A step reached with no backward since the last one (``step()`` twice) finds its
+gradients untouched and counts them once too. Kept gradients later set to ``None``
+or replaced by hand count as cleared.
+
+Where the two cannot be told apart the step raises rather than guess: a left
+gradient changed in place by a backward whose start was not seen (the forward ran
+a submodule or ``model.module`` directly, or a parameter is used in the loss outside
+the forward, which torch accumulates before the outputs' gradient) against one
+cleared by ``p.grad.zero_()``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree
 
 __all__ = ["CarriedGradients", "add_kept", "hook_outputs", "skip_in_dynamo"]
+
+_Left = list[tuple[Any, int] | None]  # per parameter: (weakref to .grad, its version)
 
 
 class CarriedGradients:
@@ -40,20 +48,23 @@ class CarriedGradients:
     Args:
         params: each local replica's parameters (one optimizer's).
         pending: the mirrored module's per-replica lists of the `CarriedGradients`
-            whose replica holds recorded gradients (its forward hooks the outputs).
+            whose replica holds records (its forward hooks the outputs).
     """
 
     def __init__(self, params: Sequence[Sequence[nn.Parameter]],
                  pending: Sequence[list[CarriedGradients]]) -> None:
         self._params = params
         self._pending = pending
-        self._left: list[list[tuple[torch.Tensor, int] | None] | None] = [None] * len(params)
-        self._kept: list[list[torch.Tensor | None] | None] = [None] * len(params)
+        self._left: list[_Left | None] = [None] * len(params)
+        # per replica: per parameter, (the old gradient, the zeros put in its place)
+        self._kept: list[list[tuple[torch.Tensor, torch.Tensor | None] | None] | None] = (
+            [None] * len(params))
 
     def record(self, r: int) -> None:
         """At the end of replica ``r``'s step: its gradients, as the step leaves them."""
-        self._left[r] = [None if (g := p.grad) is None else (g, g._version)
+        self._left[r] = [None if (g := p.grad) is None else (weakref.ref(g), g._version)
                          for p in self._params[r]]
+        self._kept[r] = None
         if self not in self._pending[r]:
             self._pending[r].append(self)
 
@@ -63,48 +74,84 @@ class CarriedGradients:
         if self in self._pending[r]:
             self._pending[r].remove(self)
 
+    def forward_seen(self, r: int) -> bool:
+        """At a forward pass of replica ``r`` while it holds records: forgets those
+        touched since the step (cleared); whether any are left (then hook the outputs)."""
+        left = self._left[r]
+        if left is not None:
+            for k, (p, was) in enumerate(zip(self._params[r], left, strict=True)):
+                if was is not None and not _untouched(p.grad, was):
+                    left[k] = None
+            if any(left):
+                return True
+        self.forget(r)
+        return False
+
     def backward_starts(self, r: int) -> None:
-        """Keeps aside replica ``r``'s gradients untouched since its step, so that
-        the backward now starting writes only the new ones."""
+        """Keeps aside replica ``r``'s gradients untouched since its step, putting zeros
+        in their place, so that the backward now starting writes only the new ones.
+
+        Raises:
+            RuntimeError: a left gradient changed in place since the forward pass.
+        """
         left = self._left[r]
         if left is None:
             return
         self.forget(r)
-        self._kept[r] = self._keep(r, left, strict=False)
+        kept: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * len(left)
+        for k, (p, was) in enumerate(zip(self._params[r], left, strict=True)):
+            g = p.grad
+            if was is None or g is None or g is not was[0]():
+                continue
+            if g._version != was[1]:
+                raise RuntimeError(_CHANGED.format(n=1, where="when backward() started"))
+            kept[k] = (g, zeros := torch.zeros_like(g))
+            p.grad = zeros
+        self._kept[r] = kept if any(kept) else None
 
     def take(self, r: int) -> list[torch.Tensor | None] | None:
-        """At replica ``r``'s all-reduce: the gradients kept aside, to add to the sum
-        (``None``: none). Untouched ones still in ``.grad`` (no backward since the
-        last step) are kept aside now.
+        """At replica ``r``'s all-reduce: the old gradients to add to the sum (``None``:
+        none). Untouched ones still in ``.grad`` (no backward since the last step) are
+        taken now; kept ones whose zeros were since set to ``None`` or replaced by
+        hand count as cleared.
 
         Raises:
-            RuntimeError: a gradient left by the last step was changed in place by a
-                backward whose start was not seen (see the module's docstring).
+            RuntimeError: a left gradient was changed by a backward whose start was not
+                seen (see the module's docstring).
         """
         left, kept = self._left[r], self._kept[r]
+        self._kept[r] = None
         if left is not None:
             self.forget(r)
-            kept = self._keep(r, left, strict=True)
-        self._kept[r] = None
-        return kept
+            kept = [None] * len(left)
+            changed = 0
+            for k, (p, was) in enumerate(zip(self._params[r], left, strict=True)):
+                g = p.grad
+                if was is None or g is None:
+                    continue
+                if g is was[0]():
+                    if g._version != was[1]:
+                        changed += 1
+                        continue
+                    kept[k] = (g, None)
+                    p.grad = None
+                elif g.grad_fn is not None:  # (create_graph=True adds out of place)
+                    changed += 1
+            if changed:
+                raise RuntimeError(_CHANGED.format(n=changed, where="at this step"))
+        if kept is None:
+            return None
+        out: list[torch.Tensor | None] = []
+        for p, entry in zip(self._params[r], kept, strict=True):
+            g = p.grad
+            out.append(None if entry is None or not (
+                g is entry[1] or (g is not None and g.grad_fn is not None)
+                or (entry[1] is None and g is None)) else entry[0])
+        return out if any(t is not None for t in out) else None
 
-    def _keep(self, r: int, left: list[tuple[torch.Tensor, int] | None], *, strict: bool
-              ) -> list[torch.Tensor | None] | None:
-        kept: list[torch.Tensor | None] | None = None
-        changed: list[int] = []
-        for k, (p, was) in enumerate(zip(self._params[r], left, strict=True)):
-            if was is None or p.grad is not was[0]:
-                continue
-            if was[0]._version != was[1]:
-                changed.append(k)
-                continue
-            if kept is None:
-                kept = [None] * len(left)
-            kept[k] = was[0]
-            p.grad = None
-        if strict and changed:
-            raise RuntimeError(_CHANGED.format(n=len(changed)))
-        return kept
+
+def _untouched(g: torch.Tensor | None, was: tuple[Any, int]) -> bool:
+    return g is not None and g is was[0]() and g._version == was[1]
 
 
 def add_kept(params: Sequence[nn.Parameter], kept: list[torch.Tensor | None]) -> None:
@@ -117,13 +164,36 @@ def add_kept(params: Sequence[nn.Parameter], kept: list[torch.Tensor | None]) ->
 
 def hook_outputs(output: Any, pending: list[CarriedGradients], r: int) -> None:
     """Registers, on the tensors of a mirrored model's ``output`` that require a
-    gradient, a hook that tells ``pending``'s `CarriedGradients` when a backward
-    through them starts (before it reaches any parameter used in the forward)."""
-    tensors = [output] if isinstance(output, torch.Tensor) else _pytree.tree_leaves(output)
+    gradient (not leaves: a parameter returned as is), a hook that tells ``pending``'s
+    `CarriedGradients` when a backward through them starts (before it reaches any
+    parameter used in the forward). Gradients touched since the step are forgotten
+    first, and nothing is registered if none is left."""
+    if not any([carried.forward_seen(r) for carried in list(pending)]):
+        return
     starts = _Starts(pending, r)
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.requires_grad:
+    for t in _tensors(output, 0):
+        if t.requires_grad and t.grad_fn is not None:
             t.register_hook(starts)  # type: ignore[no-untyped-call]
+
+
+def _tensors(x: Any, depth: int) -> Iterator[torch.Tensor]:
+    """The tensors in ``x``: nested mappings (a dict, an ``OrderedDict`` or a
+    ``ModelOutput``), lists, tuples and dataclasses, of any class."""
+    if isinstance(x, torch.Tensor):
+        yield x
+        return
+    if depth > 8:
+        return
+    if isinstance(x, Mapping):
+        items: Any = x.values()
+    elif isinstance(x, list | tuple):
+        items = x
+    elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+        items = [getattr(x, f.name) for f in dataclasses.fields(x)]
+    else:
+        return
+    for item in items:
+        yield from _tensors(item, depth + 1)
 
 
 class _Starts:
@@ -138,13 +208,14 @@ class _Starts:
 
 
 _CHANGED = (
-    "MirroredOptimizer.step: {n} gradient(s) left in .grad by the last step were changed "
-    "in place since (no zero_grad() in between), by a backward() that did not go through "
-    "the mirrored model's call (a submodule or model.module called directly) or by an "
-    "in-place change (p.grad.zero_()). Each replica holds the last step's all-reduced "
-    "gradient, so summing it again would count it once per replica where one device "
-    "counts it once, and the two cases cannot be told apart. Call optimizer.zero_grad() "
-    "(or model.zero_grad()) between steps, or call the mirrored model itself")
+    "MirroredOptimizer: {n} gradient(s) left in .grad by the last step (no zero_grad() "
+    "since) were changed in place {where}: by a backward() whose start the mirrored "
+    "model did not see (the forward ran a submodule or model.module directly, or a "
+    "parameter is used in the loss outside the forward, e.g. a learned temperature), "
+    "or by an in-place change such as p.grad.zero_(). Each replica holds the last "
+    "step's all-reduced gradient, so summing it again would count it once per replica "
+    "where one device counts it once, and the two cases cannot be told apart. Call "
+    "optimizer.zero_grad() (or model.zero_grad()) between steps")
 
 
 def skip_in_dynamo(code: Any, *, inside: bool = False) -> None:
@@ -165,4 +236,5 @@ def skip_in_dynamo(code: Any, *, inside: bool = False) -> None:
 
 # (eager code between compiled frames: nothing here is traced)
 skip_in_dynamo(hook_outputs.__code__, inside=True)
+skip_in_dynamo(_tensors.__code__, inside=True)
 skip_in_dynamo(_Starts.__call__.__code__, inside=True)

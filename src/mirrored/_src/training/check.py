@@ -159,7 +159,8 @@ class GradientWatch:
         # Per replica: seen holds a backward's gradients (public: a hot path reads it).
         self.fresh = [False] * len(params)
         self._queued = [False] * len(params)
-        self.at = [0] * len(params)  # per replica: `STEPS` when its last backward ended
+        # per replica: `STEPS` and the parameters' versions when its last backward ended
+        self.at: list[tuple[int, list[int]]] = [(0, [])] * len(params)
         self._every, self._settled = CHEAP_EVERY if check == "cheap" else 1, 0
         self.handles = self._register()  # (changed in place: the finalizer holds it)
         # A watch dropped with its optimizer takes its hooks along (their closures do
@@ -188,7 +189,7 @@ class GradientWatch:
 
         def snapshot() -> None:
             queued[r] = False
-            at[r] = STEPS[0]
+            at[r] = (STEPS[0], [p._version for p in params])
             seen: list[tuple[torch.Tensor, int] | None] = []
             for p in params:
                 g = p.grad
@@ -211,11 +212,13 @@ class GradientWatch:
 
     def discards(self, r: int) -> bool:
         """Whether ``zero_grad()`` on replica ``r`` now drops the gradients of its last
-        backward, pending, when no mirrored optimizer has stepped since: the mark of a
-        manual update. Gradients another optimizer's backward left (a GAN's generator
-        loss reaches the discriminator), followed by that optimizer's step, drop as on
-        one device."""
-        return self.fresh[r] and self.at[r] == STEPS[0]
+        backward, pending, when no mirrored optimizer has stepped since, or when the
+        parameters changed in place since: the marks of a manual update. Gradients
+        another optimizer's backward left (a GAN's generator loss reaches the
+        discriminator), followed by that optimizer's step, drop as on one device."""
+        steps, versions = self.at[r]
+        return self.fresh[r] and (steps == STEPS[0] or any(
+            p._version != v for p, v in zip(self._params[r], versions, strict=True)))
 
     def modified(self, r: int, params: Sequence[nn.Parameter]) -> list[int]:
         """The parameters whose gradient changed since backward put it there.

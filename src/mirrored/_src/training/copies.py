@@ -259,13 +259,11 @@ class CopiesModule(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Resets gradients: every copy's outside ``run``, the replica's own inside."""
-        carrying = self.__dict__.get("_carrying")  # (a mirrored model's: `carry`)
+        carried = list(self.__dict__.get("_carried", ()))  # (a mirrored model's: `carry`)
         for c in self._targets():
             c.zero_grad(set_to_none)
-            if carrying:
-                i = self._copies.index(c)
-                for carried in list(carrying[i]):
-                    carried.forget(i)
+            for one in carried:
+                one.forget(self._copies.index(c))
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
                ) -> CopiesModule:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copyreg
 import sys
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, SupportsIndex, cast
 
@@ -142,6 +143,7 @@ class MirroredModule(CopiesModule):
                          for ctx in getattr(strategy, "_contexts", ())}
         own["_mirrored_number"] = strategy._parts.next_model()  # (names optimizers' steps)
         own["_carrying"] = tuple([] for _ in copies)  # (`carry`: hooks the outputs)
+        own["_carried"] = weakref.WeakSet()  # (`carry`: every optimizer's, for zero_grad)
         own["_copies"] = copies  # last: its presence marks the shell as built
 
     # ---------------------------------------------------- which copy code sees

@@ -96,6 +96,8 @@ class GradientReducer:
                        if check != "off" else None)
         self.reduced = [False] * local  # the replica's gradients are all-reduced already
         self.carried = CarriedGradients(params, module._carrying) if n > 1 else None
+        if self.carried is not None:
+            module._carried.add(self.carried)
         self.seq = [0] * local  # all-reduces made by each replica (equal on every one)
         first = params[0][0]
         meta_dtype = torch.float64 if first.dtype == torch.float64 else torch.float32

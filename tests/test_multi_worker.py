@@ -449,3 +449,28 @@ def test_gather_of_a_run_result_has_every_workers_rows(local: int) -> None:
     full = [[10.0 * i for i in range(8)], [10.0 * i for i in range(8, 13)]]
     for out in results:
         assert out == [full[0], full[0] + [0.0, 1.0], full[1], full[1] + [0.0, 1.0]]
+
+
+def _counts_worker() -> list[int]:
+    strategy = _strategy(2)
+    try:
+        y = torch.arange(8)
+        batches = [(torch.tensor([0, 9, 2, 9, 4, 9, 6, 9]), y),  # 1 right in each chunk
+                   (torch.tensor([0, 1, 9, 9, 4, 5, 9, 9]), y)]  # 2, 0, 2, 0 right
+        correct = seen = 0
+        for p, t in strategy.experimental_distribute_dataset(batches):
+            per_replica = strategy.run(lambda p, t: ((p == t).sum().item(), len(t)),
+                                       args=(p, t))
+            right, size = (int(strategy.reduce("SUM", v, axis=None)) for v in per_replica)
+            correct, seen = correct + right, seen + size
+        return [correct, seen]
+    finally:
+        strategy.close()
+
+
+@pytest.mark.timeout(120)
+def test_equal_counts_returned_by_run_count_once_per_replica_across_workers() -> None:
+    # Equal Python ints from the replicas of a worker are one object, which came back
+    # as a plain value and was summed once per worker: 6 and 8 where one device has 8, 16.
+    for out in mirrored.testing.run_multi_process(_counts_worker, 2, timeout=100):
+        assert out == [8, 16]

@@ -57,6 +57,28 @@ def test_regroup_collapses_identical_objects_only():
     assert regroup([a], ("CPU:0",)) is a
 
 
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_equal_numbers_returned_by_run_count_once_per_replica(replicas):
+    # Python caches small ints, so equal counts (.item(), len()) are one object and
+    # came back as a plain value: a SUM then raised on exactly the batches where the
+    # counts tied (and, across workers, counted them once per worker).
+    strategy = mirrored.MirroredStrategy([f"CPU:{i}" for i in range(replicas)])
+    y = torch.arange(4 * replicas)
+    for predictions in (y.clone(), torch.where(y % 2 == 0, y, -1), torch.full_like(y, -1)):
+        chunks = mirrored.PerReplica(list(predictions.chunk(replicas)))
+        labels = mirrored.PerReplica(list(y.chunk(replicas)))
+        correct = strategy.run(lambda p, t: (p == t).sum().item(), args=(chunks, labels))
+        assert strategy.reduce("SUM", correct, axis=None).item() == (predictions == y).sum()
+        sizes = strategy.run(lambda t: {"n": len(t), "f": 0.5}, args=(labels,))
+        assert sizes["n"] == 4 and sizes["f"] == 0.5  # (equal to what each returned)
+        assert strategy.reduce("SUM", sizes, axis=None) == {"n": len(y), "f": 0.5 * replicas}
+        assert strategy.reduce("MEAN", sizes["n"], axis=None).item() == 4.0
+        assert strategy.extended.reduce_to("SUM", sizes["n"], "CPU:0").item() == len(y)
+    assert strategy.run(lambda: 5) == 5
+    assert strategy.reduce("SUM", strategy.run(lambda: 5), axis=None).item() == 5 * replicas
+    strategy.close()
+
+
 def test_regroup_structure_mismatch_names_path_and_replicas():
     with pytest.raises(ValueError, match=r"at result\['x'\]\[1\], replica 0 returned a leaf "
                                          r"\(int\) but replica 2 returned a list of 2"):

@@ -31,7 +31,7 @@ from ..reduction import (
     plan_leaf,
     prepare,
 )
-from ..values import DistributedValues, Mirrored, PerReplica, to_tensor
+from ..values import DistributedValues, Mirrored, PerReplica, per_replica_number, to_tensor
 from .call import counts_ride, sum_with_counts
 from .parts import Parts
 
@@ -129,6 +129,7 @@ def reduce(parts: Parts, reduce_op: ReduceOp | str, value: Any, axis: Any) -> An
     worker_values = False
     for k, (path, leaf) in enumerate(zip(paths, leaves, strict=True)):
         where = pytree.format_path(path)
+        leaf = per_replica_number(leaf, topology.device_names)  # (a count `run` returned)
         if isinstance(leaf, DistributedValues):
             check_components(parts, leaf, where)
         if isinstance(leaf, PerReplica):

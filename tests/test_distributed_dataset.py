@@ -936,3 +936,28 @@ def test_a_break_keeps_the_steps_prefetched_from_a_one_shot_source(
     seen += [torch.cat(two.experimental_local_results(step)) for step in dataset]
     assert torch.cat(seen).tolist() == [float(i) for i in range(20)]
     wait_no_prefetch_threads()
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_prefetching_keeps_a_seeded_shuffle_and_the_callers_draws(
+        two: mirrored.MirroredStrategy, depth: int) -> None:
+    # A DataLoader seeded by torch.manual_seed draws its shuffle from torch's generator
+    # at its first batch: the prefetch thread drew it from its own stream (another
+    # order than one device's), and seeding that stream took a draw from the caller's.
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.arange(12))
+
+    def one_device() -> tuple[list[list[int]], float]:
+        torch.manual_seed(0)
+        loader = DataLoader(data, batch_size=4, shuffle=True)
+        order = [y.tolist() for _ in range(2) for (y,) in loader]
+        return order, torch.rand(1).item()
+
+    torch.manual_seed(0)
+    loader = DataLoader(data, batch_size=4, shuffle=True)
+    dataset = two.experimental_distribute_dataset(loader, options(depth))
+    order = [torch.cat(two.experimental_local_results(y)).tolist()
+             for _ in range(2) for (y,) in dataset]
+    assert (order, torch.rand(1).item()) == one_device()
+    wait_no_prefetch_threads()

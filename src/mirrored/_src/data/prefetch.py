@@ -20,6 +20,13 @@ ops is torn down during finalization. An `atexit` hook closes every producer's
 channel and joins its thread (for at most `EXIT_JOIN_SECONDS`), whatever became
 of its `Prefetcher`: still referenced, dropped or closed.
 
+The first step of a pass is made on the caller's thread, with torch's generator, as
+one device's loop makes it: a ``DataLoader`` seeded by ``torch.manual_seed`` draws its
+shuffle there, so the order is one device's. The thread, started then, draws from a
+stream of its own seeded without a draw from torch's generator (from its initial seed
+and a pass count), so the caller's later draws are one device's too; what the source
+itself draws for later batches (random augmentations) comes from that stream.
+
 `default_depth` decides when prefetching pays: only when the steps are copied to
 a CUDA device (the copy overlaps the step). On CPU replicas there is nothing to
 overlap, and a producer thread only competes with the training loop for the GIL
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import itertools
 import threading
 import weakref
 from collections.abc import Generator, Sequence
@@ -46,6 +54,7 @@ DEFAULT_CUDA_DEPTH = 2
 EXIT_JOIN_SECONDS = 10.0
 
 _END = object()
+_PASSES = itertools.count(1)  # (each thread's stream differs from the last pass's)
 
 
 class _Failure:
@@ -195,18 +204,11 @@ class Prefetcher:
 
     def __init__(self, steps: Generator[Any, None, None], depth: int,
                  keep: collections.deque[Any] | None = None) -> None:
-        channel = _Channel(depth, keep)
-        self._channel = channel
+        self._steps = steps
+        self._channel = _Channel(depth, keep)
         self._done = False
-        streams = RandomStreams([0])
-        streams.start_run()
-        streams.generator(0)  # seeded now, from the consumer's generator
-        self._thread = threading.Thread(target=_produce, args=(steps, channel, streams),
-                                        name=THREAD_NAME, daemon=True)
-        with _producers_lock:
-            _producers[self._thread] = channel
-        self._thread.start()
-        self._finalizer = weakref.finalize(self, _stop, channel, self._thread)
+        self._thread: threading.Thread | None = None  # (started after the first step)
+        self._finalizer: Any = weakref.finalize(self, steps.close)
 
     def next_step(self) -> Any:
         """The next prepared step.
@@ -217,6 +219,8 @@ class Prefetcher:
         """
         if self._done:
             raise StopIteration
+        if self._thread is None:
+            return self._first()
         item = self._channel.get()
         if item is _END:
             self._finish()
@@ -226,10 +230,35 @@ class Prefetcher:
             raise item.error
         return item
 
+    def _first(self) -> Any:
+        """The first step, made on the caller's thread with the caller's random
+        generator, as one device's loop makes it (a ``DataLoader`` draws its shuffle
+        from torch's generator there); then the thread starts on the rest, with a
+        stream seeded without a draw from that generator, so the caller's next draws
+        (dropout, ...) are one device's too."""
+        try:
+            step = next(self._steps)
+        except BaseException:
+            self._done = True
+            self._finalizer()
+            raise
+        streams = RandomStreams([0])
+        streams.seed(torch.initial_seed() * 0x9E3779B97F4A7C15 + next(_PASSES))
+        thread = threading.Thread(target=_produce, args=(self._steps, self._channel, streams),
+                                  name=THREAD_NAME, daemon=True)
+        with _producers_lock:
+            _producers[thread] = self._channel
+        self._finalizer.detach()
+        self._thread = thread
+        thread.start()
+        self._finalizer = weakref.finalize(self, _stop, self._channel, thread)
+        return step
+
     def _finish(self) -> None:
         self._done = True
         self._finalizer()
-        self._thread.join()  # it has put its last item and is returning
+        if self._thread is not None:
+            self._thread.join()  # it has put its last item and is returning
 
     def close(self) -> None:
         """Stops the thread: at once if it waits for room, else after its current step."""

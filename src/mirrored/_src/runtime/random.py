@@ -150,6 +150,12 @@ class RandomStreams:
             self._base = None
             self._generators = [None] * len(self._ids)
 
+    def seed(self, base: int) -> None:
+        """Seeds this run's streams from ``base`` instead of a draw from torch's CPU
+        generator (a draw there would shift what the caller's code draws next)."""
+        self._base = base & _MASK
+        self._generators = [None] * len(self._ids)
+
     def mode(self, index: int) -> ReplicaStream:
         """The context to enter on replica ``index``'s thread for its function."""
         return self._modes[index]

@@ -270,13 +270,19 @@ def test_close_while_source_blocks_does_not_hang() -> None:
         finally:
             closed.append(True)
 
-    it = iter(DistributedDataset(slow(), topology(2), options(2)))
+    dataset = DistributedDataset(slow(), topology(2), options(2))
+    it = iter(dataset)
     assert as_lists(next(it)) == [[0.0], [0.0]]
+    started = time.monotonic()
     it.close()  # the producer is inside the source: close must not wait for it
+    assert time.monotonic() - started < 5.0
     assert len(prefetch_threads()) == 1
     release.set()
+    # The next pass waits for that read and starts with its step (a new loop over the
+    # generator would go on there), then the generator ends.
+    assert [as_lists(s) for s in dataset] == [[[1.0], [1.0]]]
     wait_no_prefetch_threads()
-    assert closed == [True]  # the source generator was closed by the producer
+    assert closed == [True]
 
 
 # --- distribute_datasets_from_function ---------------------------------------------------
@@ -626,8 +632,9 @@ def test_a_slow_source_reads_one_step_per_window(monkeypatch: pytest.MonkeyPatch
 @pytest.mark.parametrize("kind", ["iterator", "generator", "list"])
 def test_a_new_pass_over_a_one_shot_source_starts_with_the_steps_read_ahead(
         kind: str) -> None:
-    # One process: a second pass over iter(batches) goes on where the first stopped (a
-    # generator is closed when its pass ends: nothing after; a list starts again).
+    # One process: a second pass over iter(batches) or a generator goes on where the
+    # first stopped, as a new for loop over it would (a generator was closed when its
+    # pass ended: the next pass had nothing, silently); a list starts again.
     # Several workers read ahead for their vote, and must hand out the same steps.
     def make_source() -> Any:
         batches = [torch.arange(2 * b, 2 * b + 2) for b in range(6)]
@@ -651,7 +658,8 @@ def test_a_new_pass_over_a_one_shot_source_starts_with_the_steps_read_ahead(
                                          any_worker=any_worker))
 
     results, _ = run_workers(make, 2, counted=True, each=True)
-    second = {"iterator": [4, 6, 8, 10], "generator": [], "list": [0, 2, 4, 6, 8, 10]}[kind]
+    second = {"iterator": [4, 6, 8, 10], "generator": [4, 6, 8, 10],
+              "list": [0, 2, 4, 6, 8, 10]}[kind]
     assert alone == [[0, 2], second]  # (replica 0's rows; replica 1's are one more)
     assert results == [[[0, 2], second], [[1, 3], [b + 1 for b in second]]]
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import deque
 from collections.abc import Iterator
@@ -18,12 +19,22 @@ class ReadAhead:
     loop over the source itself would go on where it stopped; a re-iterable source
     starts again, and its pass's are dropped with it."""
 
-    __slots__ = ("error", "owner", "steps")
+    __slots__ = ("error", "owner", "producer", "steps")
 
     def __init__(self) -> None:
         self.steps: deque[Any] = deque()
         self.error: Exception | None = None
         self.owner: Any = None  # a weakref to the pass that holds it
+        # A closed pass's prefetch thread still inside a read of the source: what it
+        # reads goes to ``steps``, and the next pass waits for it first (`settle`).
+        self.producer: threading.Thread | None = None
+
+    def settle(self) -> None:
+        """Waits for a closed pass's prefetch thread still reading (a new pass starts
+        after what it reads, as one loop over the source would)."""
+        producer, self.producer = self.producer, None
+        if producer is not None and producer is not threading.current_thread():
+            producer.join()
 
     def claim(self, owner: Any) -> bool:
         """Whether ``owner`` (a new pass) may take the steps: no other pass of the
@@ -37,12 +48,11 @@ class ReadAhead:
 
 def continues(source: Any) -> bool:
     """Whether a new pass over ``source`` goes on where the last one stopped: an
-    iterator with no ``close`` (``iter(a_list)``, ``map(...)``). A generator is closed
-    when its pass ends (the loop's own ``break`` would leave it open, but the pass's
-    end closes it, with nothing after); a re-iterable source starts again.
+    iterator (``iter(a_list)``, ``map(...)``, a generator), as a new ``for`` loop over
+    it would; a re-iterable source starts again.
 
     Example:
         >>> continues(iter([1, 2])), continues(x for x in [1]), continues([1, 2])
-        (True, False, False)
+        (True, True, False)
     """
-    return isinstance(source, Iterator) and not callable(getattr(source, "close", None))
+    return isinstance(source, Iterator)

@@ -109,7 +109,8 @@ class DistributedIterator:
             ahead = None  # (another pass of this dataset is live: this one reads alone)
         self._held = ahead if ahead is not None else ReadAhead()
         self._ahead, self._keeps = self._held.steps, ahead is not None
-        self._steps = (Prefetcher(steps, depth, self._ahead if self._keeps else None)
+        self._held.settle()  # (the last pass's thread, if still reading: first)
+        self._steps = (Prefetcher(steps, depth, self._held if self._keeps else None)
                        if depth else InlineSteps(steps))
         # The next step: the generator's own __next__ when inline (no frame in between).
         self._next_step = self._steps.next_step if depth else steps.__next__

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from ..runtime.random import RandomStreams
+from .ahead import ReadAhead
 
 __all__ = ["DEFAULT_CUDA_DEPTH", "InlineSteps", "Prefetcher", "default_depth", "stop_all"]
 
@@ -187,10 +188,10 @@ class Prefetcher:
     Args:
         steps: a generator of prepared steps; closed when the prefetcher stops.
         depth: how many prepared steps may wait in the channel (>= 1).
-        keep: where a prefetcher closed or dropped before the end leaves the steps it
-            read and did not hand out, in order (a one-shot source's next pass takes
-            them first: `ReadAhead`). Closing then waits for a read in progress (for
-            at most `EXIT_JOIN_SECONDS`; a step read later is dropped).
+        ahead: where a prefetcher closed or dropped before the end leaves the steps
+            it read and did not hand out, in order (a one-shot source's next pass takes
+            them first: `ReadAhead`); a read in progress when it closes ends there too,
+            and the next pass waits for it (`ReadAhead.settle`).
 
     Example:
         >>> p = Prefetcher((i * i for i in range(3)), depth=2)
@@ -203,9 +204,10 @@ class Prefetcher:
     """
 
     def __init__(self, steps: Generator[Any, None, None], depth: int,
-                 keep: collections.deque[Any] | None = None) -> None:
+                 ahead: ReadAhead | None = None) -> None:
         self._steps = steps
-        self._channel = _Channel(depth, keep)
+        self._ahead = ahead
+        self._channel = _Channel(depth, None if ahead is None else ahead.steps)
         self._done = False
         self._thread: threading.Thread | None = None  # (started after the first step)
         self._finalizer: Any = weakref.finalize(self, steps.close)
@@ -251,7 +253,7 @@ class Prefetcher:
         self._finalizer.detach()
         self._thread = thread
         thread.start()
-        self._finalizer = weakref.finalize(self, _stop, self._channel, thread)
+        self._finalizer = weakref.finalize(self, _stop, self._channel, thread, self._ahead)
         return step
 
     def _finish(self) -> None:
@@ -268,14 +270,15 @@ class Prefetcher:
         self._finalizer()
 
 
-def _stop(channel: _Channel, thread: threading.Thread) -> None:
-    """Closes ``channel``; waits for its producer if it waits for room, or if what it
-    holds is kept (then for at most `EXIT_JOIN_SECONDS`: a later step is dropped)."""
-    if channel.close() or channel.keep is not None:
+def _stop(channel: _Channel, thread: threading.Thread, ahead: ReadAhead | None = None) -> None:
+    """Closes ``channel``; waits for its producer if it waits for room. One still
+    inside a read of a one-shot source leaves what it reads in ``ahead``, which the
+    next pass waits for."""
+    if channel.close():
         if thread is not threading.current_thread():
-            thread.join(EXIT_JOIN_SECONDS if channel.keep is not None else None)
-        with channel._cond:
-            channel.keep = None
+            thread.join()
+    elif ahead is not None and thread.is_alive():
+        ahead.producer = thread
 
 
 class InlineSteps:

@@ -135,7 +135,8 @@ def global_batch_steps(source: Iterable[Any], topology: Topology,
             yield pack_step(spec, split_leaves(leaves, batch_size, n, ids), topology, devices,
                         examples)
     finally:
-        close_source(iterator)
+        if iterator is not source:  # (a one-shot source goes on at the next pass)
+            close_source(iterator)
 
 
 _SAMPLES = 16  # elements sampled per tensor by `sample_digest`

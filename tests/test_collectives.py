@@ -189,7 +189,7 @@ def test_merge_call_exception_is_raised_from_run(two):
     with pytest.raises(ZeroDivisionError) as info:
         two.run(step)
     assert "raised in replica 0" in info.value.__notes__[0]
-    assert two.run(lambda: 3) == 3
+    assert two.run(lambda: 3).values == (3, 3)  # (a number: one per replica)
 
 
 def test_collectives_refuse_cross_replica_context(two):
@@ -271,11 +271,11 @@ def test_run_inside_merge_fn_runs_instead_of_deadlocking(two):
     def step():
         return mirrored.get_replica_context().merge_call(lambda s: s.run(lambda: 1))
 
-    assert two.run(step) == 1
+    assert two.run(step).values == (1, 1)
     with pytest.raises(RuntimeError, match=r"run cannot be called inside a replica \(from the fn "
                                            r"of another run\)"):
         two.run(lambda: two.run(lambda: 1))
-    assert two.run(lambda: 2) == 2
+    assert two.run(lambda: 2).values == (2, 2)
 
 
 def test_run_hands_each_replica_its_components_of_tuple_arguments(strategies):

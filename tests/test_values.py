@@ -58,7 +58,7 @@ def test_regroup_collapses_identical_objects_only():
 
 
 @pytest.mark.parametrize("replicas", [2, 4])
-def test_equal_numbers_returned_by_run_count_once_per_replica(replicas):
+def test_equal_numbers_returned_by_run_stay_per_replica(replicas):
     # Python caches small ints, so equal counts (.item(), len()) are one object and
     # came back as a plain value: a SUM then raised on exactly the batches where the
     # counts tied (and, across workers, counted them once per worker).
@@ -68,14 +68,17 @@ def test_equal_numbers_returned_by_run_count_once_per_replica(replicas):
         chunks = mirrored.PerReplica(list(predictions.chunk(replicas)))
         labels = mirrored.PerReplica(list(y.chunk(replicas)))
         correct = strategy.run(lambda p, t: (p == t).sum().item(), args=(chunks, labels))
+        assert isinstance(correct, mirrored.PerReplica)
         assert strategy.reduce("SUM", correct, axis=None).item() == (predictions == y).sum()
-        sizes = strategy.run(lambda t: {"n": len(t), "f": 0.5}, args=(labels,))
-        assert sizes["n"] == 4 and sizes["f"] == 0.5  # (equal to what each returned)
-        assert strategy.reduce("SUM", sizes, axis=None) == {"n": len(y), "f": 0.5 * replicas}
-        assert strategy.reduce("MEAN", sizes["n"], axis=None).item() == 4.0
+        sizes = strategy.run(lambda t: {"n": len(t), "f": 0.5, "ok": True}, args=(labels,))
+        assert sizes["n"].values == (4,) * replicas and sizes["ok"] is True
+        assert strategy.reduce("SUM", sizes["n"], axis=None).item() == len(y)
+        assert strategy.reduce("SUM", sizes["f"], axis=None).item() == 0.5 * replicas
         assert strategy.extended.reduce_to("SUM", sizes["n"], "CPU:0").item() == len(y)
-    assert strategy.run(lambda: 5) == 5
-    assert strategy.reduce("SUM", strategy.run(lambda: 5), axis=None).item() == 5 * replicas
+    # merge_call's arguments keep TF's rule (the same object stays as it is)
+    merged = strategy.run(lambda: mirrored.get_replica_context().merge_call(
+        lambda _, n: type(n) is int and n == 3, args=(3,)))
+    assert merged is True
     strategy.close()
 
 
@@ -101,7 +104,7 @@ def test_run_regroups_nests(two):
     assert isinstance(out["pair"].a, mirrored.PerReplica)
     assert out["pair"].b is shared
     assert isinstance(out["batch"], Batch)
-    assert out["batch"].y == 7
+    assert out["batch"].y.values == (7, 7)  # (a number: one per replica)
     assert [t.item() for t in out["batch"].x.values] == [0, 1]
     assert out["none"] is None
     locals_ = two.experimental_local_results(out)

@@ -23,11 +23,8 @@ __all__ = [
     "DistributedValues",
     "Mirrored",
     "PerReplica",
-    "ReplicatedFloat",
-    "ReplicatedInt",
     "StepExamples",
     "ValueContext",
-    "per_replica_number",
     "regroup",
     "select_replica",
     "to_tensor",
@@ -128,31 +125,6 @@ class PerReplica(DistributedValues[T]):
     _examples: StepExamples | None
 
 
-class ReplicatedInt(int):
-    """An int every local replica returned as the same object: equal to it, and
-    reduced as one value per replica (see `regroup`)."""
-
-    __slots__ = ()
-
-
-class ReplicatedFloat(float):
-    """A float every local replica returned as the same object (see `ReplicatedInt`)."""
-
-    __slots__ = ()
-
-
-_REPLICATED: dict[type, type] = {int: ReplicatedInt, float: ReplicatedFloat}
-
-
-def per_replica_number(leaf: Any, names: Sequence[str]) -> Any:
-    """``leaf`` as a `PerReplica` of its value on each of ``names``' replicas if it is
-    a number every replica returned (`ReplicatedInt`, `ReplicatedFloat`), else itself."""
-    if isinstance(leaf, ReplicatedInt | ReplicatedFloat):
-        plain = int(leaf) if isinstance(leaf, int) else float(leaf)
-        return PerReplica([plain] * len(names), names)
-    return leaf
-
-
 class StepExamples(NamedTuple):
     """The example counts of one step of a multi-worker ``experimental_distribute_dataset``
     (every worker splits the same global batch, so each knows them all): ``total``, the
@@ -228,14 +200,15 @@ def select_replica(index: int, leaves: Sequence[Any]) -> list[Any]:
 
 
 def regroup(results: Sequence[Any], devices: Sequence[str], *,
-            collapse_identical: bool = True, always_per_replica: bool = False) -> Any:
+            collapse_identical: bool = True, always_per_replica: bool = False,
+            numbers_per_replica: bool = False) -> Any:
     """Packs what each replica returned into one nest of `PerReplica` leaves.
 
     Leaves that every replica returned as the same object (``is``) stay as they
-    are, unless ``collapse_identical`` is false; an int or a float so returned
-    becomes a `ReplicatedInt` or `ReplicatedFloat` (equal to it), which a reduction
-    counts once per replica (equal small ints are one object in Python). With one
-    replica the result is returned unchanged, unless ``always_per_replica``.
+    are, unless ``collapse_identical`` is false, or ``numbers_per_replica`` and they
+    are ints or floats (what `run` returns: Python caches small ints, so equal counts
+    from ``.item()`` or ``len()`` are one object, and still one per replica). With
+    one replica the result is returned unchanged, unless ``always_per_replica``.
 
     Raises:
         ValueError: the replicas returned different structures.
@@ -265,11 +238,9 @@ def regroup(results: Sequence[Any], devices: Sequence[str], *,
     grouped = []
     for components in zip(*(f[0] for f in flat), strict=True):
         first = components[0]
-        if collapse_identical and all(c is first for c in components):
-            # (a number: Python caches small ints, so equal counts from .item() or len()
-            # are one object; still one per replica when reduced)
-            marked = _REPLICATED.get(type(first))
-            grouped.append(first if marked is None else marked(first))
+        if collapse_identical and all(c is first for c in components) and not (
+                numbers_per_replica and type(first) in (int, float)):
+            grouped.append(first)
         else:
             grouped.append(PerReplica._from_trusted(components, names))
     return pytree.unflatten(spec0, grouped)

@@ -31,7 +31,7 @@ from ..reduction import (
     plan_leaf,
     prepare,
 )
-from ..values import DistributedValues, Mirrored, PerReplica, per_replica_number, to_tensor
+from ..values import DistributedValues, Mirrored, PerReplica, to_tensor
 from .call import counts_ride, sum_with_counts
 from .parts import Parts
 
@@ -129,7 +129,6 @@ def reduce(parts: Parts, reduce_op: ReduceOp | str, value: Any, axis: Any) -> An
     worker_values = False
     for k, (path, leaf) in enumerate(zip(paths, leaves, strict=True)):
         where = pytree.format_path(path)
-        leaf = per_replica_number(leaf, topology.device_names)  # (a count `run` returned)
         if isinstance(leaf, DistributedValues):
             check_components(parts, leaf, where)
         if isinstance(leaf, PerReplica):
@@ -207,10 +206,11 @@ def gather(parts: Parts, value: Any, axis: int) -> Any:
         if isinstance(leaf, DistributedValues):
             check_components(parts, leaf, where)
             components = [_detached(to_tensor(v, where, "gather")) for v in leaf.values]
-        elif topology.worker_values:
-            # Across workers, a plain value is this worker's, once (as `reduce` takes
-            # it): what `run` returns on a worker of one replica is such a value, and
-            # gathering it must reach the other workers' rows.
+        elif topology.worker_values and getattr(leaf, "ndim", 0) > 0:
+            # Across workers, a plain tensor or array is this worker's, once (as `reduce`
+            # takes it): what `run` returns on a worker of one replica is such a value,
+            # and gathering it must reach the other workers' rows. (Anything else, a
+            # string, a count, a scalar, is returned as is, as in one process.)
             tensor = _detached(to_tensor(leaf, where, "gather"))
             dim = plan_gather(title, [tensor], axis, topology.labels[:1], where)
             components = [tensor] + [tensor.narrow(dim, 0, 0)] * (topology.num_local_replicas

@@ -90,18 +90,18 @@ def _regroup(results: Sequence[Any], names: tuple[str, ...]) -> Any:
     if first is None:
         for r in results:
             if r is not None:
-                return regroup(results, names)
+                return regroup(results, names, numbers_per_replica=True)
         return None
     kind = type(first)
     if kind is torch.Tensor:
         same = True
         for r in results:
             if type(r) is not kind:
-                return regroup(results, names)
+                return regroup(results, names, numbers_per_replica=True)
             if r is not first:
                 same = False
         return first if same else PerReplica._from_trusted(tuple(results), names)
-    return regroup(results, names)
+    return regroup(results, names, numbers_per_replica=True)
 
 
 def step_examples(args: Any, kwargs: Any) -> StepExamples | None:
@@ -174,7 +174,7 @@ def run_in_merge_fn(parts: Parts, contexts: Sequence[Any], fn: Callable[..., Any
             note = f"raised in {topology.labels[i]} of {parts.name}.run inside a merge_fn"
             error.__notes__ = [*getattr(error, "__notes__", []), note]  # add_note, 3.10 too
             raise
-    return regroup(results, topology.device_names)
+    return regroup(results, topology.device_names, numbers_per_replica=True)
 
 
 def run_started(parts: Parts) -> int:

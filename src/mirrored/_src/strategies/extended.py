@@ -13,7 +13,7 @@ from ..collectives.parts import Parts
 from ..comm import batch
 from ..options import CommunicationOptions
 from ..reduce_op import ReduceOp
-from ..values import DistributedValues, Mirrored, PerReplica, per_replica_number
+from ..values import DistributedValues, Mirrored, PerReplica
 from . import distribute
 
 __all__ = ["StrategyExtended"]
@@ -121,10 +121,6 @@ class StrategyExtended:
                 topology.worker_values and topology.num_local_replicas == 1)
             if one:  # with one (local) replica every value is that replica's value
                 pairs[index] = (pytree.tree_map(partial(_own, topology.device_names), value),
-                                pair[1])
-            else:  # (a count every replica returned from `run`: one per replica)
-                pairs[index] = (pytree.tree_map(partial(per_replica_number,
-                                                        names=topology.device_names), value),
                                 pair[1])
         merged = parts.options.merge(options)
         return batch.batch_reduce(parts.communicators.for_options(merged), reduce_op, pairs,

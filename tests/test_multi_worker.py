@@ -433,7 +433,9 @@ def _gather_worker(local: int) -> list[list[float]]:
             assert (type(predictions) is torch.Tensor) is (local == 1)
             out.append(strategy.gather(predictions, axis=0).tolist())
             nest = strategy.gather({"p": predictions, "w": torch.tensor(
-                [float(strategy.cluster_resolver.worker_index)])}, axis=-1)
+                [float(strategy.cluster_resolver.worker_index)]), "split": "eval",
+                "n": 3, "loss": torch.tensor(0.5)}, axis=-1)
+            assert (nest["split"], nest["n"], nest["loss"].item()) == ("eval", 3, 0.5)  # as is
             out.append(nest["p"].tolist() + nest["w"].tolist())
         return out
     finally:

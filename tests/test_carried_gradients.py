@@ -115,7 +115,18 @@ def accumulate_then_skip(i: int, m: Any, opt: Any, x: torch.Tensor, y: torch.Ten
     opt.step()
 
 
+def zero_by_hand_between_backwards(i: int, m: Any, opt: Any, x: torch.Tensor,
+                                   y: torch.Tensor, avg: Any) -> None:
+    out = logits(m(x))
+    avg(out.pow(2).mean(1)).backward(retain_graph=True)  # a diagnostic's gradients
+    for p in m.parameters():  # cleared by hand (with the last step's): only the loss steps
+        p.grad.zero_()
+    avg(criterion(out, y)).backward()
+    opt.step()
+
+
 PROGRAMS: dict[str, Program] = {f.__name__: f for f in (
+    zero_by_hand_between_backwards,
     never_zero, zero_every_third, zero_in_place_after_forward, none_by_hand_after_forward,
     zero_by_hand_before_forward, model_zero_grad_after_forward, step_twice, two_forwards,
     accumulate_then_skip)}

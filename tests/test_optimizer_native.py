@@ -734,3 +734,34 @@ def test_a_manual_update_beside_another_optimizers_step_is_still_refused(
 
     with pytest.raises(ReplicaDivergenceError, match=r"never all-reduced.*manual update"):
         two.run(step, args=(split(x), split(y)))
+
+
+def test_a_learning_rate_set_between_unscale_and_step_raises(
+        two: mirrored.MirroredStrategy) -> None:
+    # With scaler.unscale_(opt) the step's all-reduce (and the hyper-parameters the other
+    # replicas take) comes at unscale_: a rate set after it reached replica 0 alone, and
+    # the copies diverged (silently with check="off").
+    model = two.mirror(net())
+    opt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1), check="off")
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = data()
+
+    def step(xs: torch.Tensor, ys: torch.Tensor, late: bool) -> None:
+        opt.zero_grad()
+        if not late:
+            for group in opt.param_groups:
+                group["lr"] = 0.2
+        loss = mirrored.compute_average_loss((model(xs).squeeze(1) - ys) ** 2)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        if late:
+            for group in opt.param_groups:
+                group["lr"] = 0.3
+        scaler.step(opt)
+        scaler.update()
+
+    two.run(step, args=(split(x), split(y), False))  # set before unscale_: fine
+    assert_copies_equal(model)
+    assert [o.param_groups[0]["lr"] for o in opt.optimizers] == [0.2, 0.2]
+    with pytest.raises(RuntimeError, match=r"'lr' .* between scaler\.unscale_.*Set it before"):
+        two.run(step, args=(split(x), split(y), True))

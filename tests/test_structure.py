@@ -121,7 +121,7 @@ def test_a_two_worker_topology_uses_global_ids_counts_and_divisors(worker_one):
     ids = strategy.run(lambda: mirrored.get_replica_context().replica_id_in_sync_group)
     assert strategy.experimental_local_results(ids) == (2, 3)
     counts = strategy.run(lambda: mirrored.get_replica_context().num_replicas_in_sync)
-    assert counts == 4
+    assert counts.values == (4, 4)  # (a number: one per replica)
     ids, counts = strategy.experimental_distribute_values_from_function(
         lambda ctx: (ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync))
     assert ids.values == (2, 3) and counts.values == (4, 4)

@@ -52,9 +52,12 @@ class CarriedGradients:
     """
 
     def __init__(self, params: Sequence[Sequence[nn.Parameter]],
-                 pending: Sequence[list[CarriedGradients]]) -> None:
+                 pending: Sequence[list[CarriedGradients]], ends: list[int] | None = None
+                 ) -> None:
         self._params = params
         self._pending = pending
+        self._ends = ends  # per replica: backward passes ended (`GradientWatch.ends`)
+        self._since = [0] * len(params)  # ... when the zeros went in
         self._left: list[_Left | None] = [None] * len(params)
         # per replica: per parameter, (the old gradient, the zeros put in its place)
         self._kept: list[list[tuple[torch.Tensor, torch.Tensor | None] | None] | None] = (
@@ -98,6 +101,8 @@ class CarriedGradients:
         if left is None:
             return
         self.forget(r)
+        if self._ends is not None:
+            self._since[r] = self._ends[r]
         kept: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * len(left)
         for k, (p, was) in enumerate(zip(self._params[r], left, strict=True)):
             g = p.grad
@@ -141,12 +146,18 @@ class CarriedGradients:
                 raise RuntimeError(_CHANGED.format(n=changed, where="at this step"))
         if kept is None:
             return None
+        # Each backward adds into the zeros once: more changes than backward passes
+        # since mean they were also changed by hand (p.grad.zero_() between two
+        # backward passes clears what one device holds, the old gradient included).
+        passes = None if self._ends is None else self._ends[r] - self._since[r]
         out: list[torch.Tensor | None] = []
         for p, entry in zip(self._params[r], kept, strict=True):
             g = p.grad
+            zeros = None if entry is None else entry[1]
             out.append(None if entry is None or not (
-                g is entry[1] or (g is not None and g.grad_fn is not None)
-                or (entry[1] is None and g is None)) else entry[0])
+                (zeros is None and g is None)  # (`step()` twice: taken just now)
+                or (g is not None and g is zeros and (passes is None or g._version <= passes))
+                or (g is not None and g is not zeros and g.grad_fn is not None)) else entry[0])
         return out if any(t is not None for t in out) else None
 
 

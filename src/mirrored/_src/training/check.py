@@ -161,6 +161,7 @@ class GradientWatch:
         self._queued = [False] * len(params)
         # per replica: `STEPS` and the parameters' versions when its last backward ended
         self.at: list[tuple[int, list[int]]] = [(0, [])] * len(params)
+        self.ends = [0] * len(params)  # per replica: the backward passes it saw end
         self._every, self._settled = CHEAP_EVERY if check == "cheap" else 1, 0
         self.handles = self._register()  # (changed in place: the finalizer holds it)
         # A watch dropped with its optimizer takes its hooks along (their closures do
@@ -181,7 +182,7 @@ class GradientWatch:
     def _hook(self, r: int) -> Callable[[torch.Tensor], None]:
         # Closures over locals: these run between the kernels of every backward.
         params, seen_all, pending, queued = self._params[r], self.seen, self.fresh, self._queued
-        at = self.at
+        at, ends = self.at, self.ends
         none, known, crossed = self._none[r], self._known, self.crossed
         # torch's engine runs queued callbacks when this backward pass ends (a private
         # entry point, stable since torch 1.x; DDP's reducer uses it).
@@ -189,6 +190,7 @@ class GradientWatch:
 
         def snapshot() -> None:
             queued[r] = False
+            ends[r] += 1
             at[r] = (STEPS[0], [p._version for p in params])
             seen: list[tuple[torch.Tensor, int] | None] = []
             for p in params:

@@ -89,6 +89,29 @@ class StepHyperParameters:
                 for group in self._optimizers[0].param_groups]
             self._by_step.pop(step - 2, None)
 
+    def check(self, step: int) -> None:
+        """Replica 0, at ``step()`` after a ``GradScaler.unscale_`` published them:
+        raises if its hyper-parameters changed since (the others step with those).
+
+        Raises:
+            RuntimeError: a hyper-parameter was set between ``unscale_`` and ``step``.
+        """
+        published = self._by_step.get(step)
+        if published is None:
+            return
+        for group, then in zip(self._optimizers[0].param_groups, published, strict=True):
+            for key, value in then.items():
+                now = group.get(key)
+                same = (torch.equal(now, value) if isinstance(value, torch.Tensor)
+                        and isinstance(now, torch.Tensor) else now == value)
+                if not same:
+                    raise RuntimeError(
+                        f"MirroredOptimizer.step: {key!r} of a parameter group changed between "
+                        f"scaler.unscale_(optimizer) and scaler.step(optimizer) ({value!r} -> "
+                        f"{now!r}); the other replicas step with the values unscale_ found, as "
+                        "its all-reduce published them. Set it before unscale_ (or step the "
+                        "scheduler after scaler.step)")
+
     def take(self, r: int, step: int) -> None:
         """Replica ``r`` (not 0), after the all-reduce of ``step``: sets replica 0's."""
         for source, target in zip(self._by_step[step], self._optimizers[r].param_groups,

@@ -112,8 +112,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
         return self._optimizers[r or 0].state
 
     @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        """Replica 0's optimizer's defaults."""
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]  # (replica 0's)
         return self._optimizers[0].defaults
 
     @property
@@ -183,6 +182,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
         params, optimizer, reducer = self._params[r], self._optimizers[r], self._reducer
         if not reducer.reduced[r]:
             self._settle(ctx, r)
+        elif r == 0:  # (all-reduced by GradScaler.unscale_: published then)
+            self._hyper.check(reducer.seq[0] - 1)
         reducer.reduced[r] = False
         if not reducer.committed[r]:  # elastic: a step the workers did not commit
             return
@@ -250,9 +251,9 @@ class MirroredOptimizer(torch.optim.Optimizer):
         """Resets gradients: this replica's inside ``run``, every replica's outside.
 
         Raises:
-            ReplicaDivergenceError: the gradients of a ``backward()`` were never
-                all-reduced (no ``step()`` since, nor a refused one; one replica in all,
-                ``"cheap"``: on the steps it watches): a manual update, or lost gradients.
+            ReplicaDivergenceError: the gradients of a ``backward()`` were never all-reduced
+                and no mirrored optimizer stepped since, or the parameters changed since:
+                a manual update (one replica in all, ``"cheap"``: on the steps it watches).
         """
         ctx = context.current_replica_context()  # (replica_index's lookup, inlined)
         r = None if ctx is None else self._known.get(ctx)

@@ -118,7 +118,8 @@ class Strategy:
 
         Each `PerReplica`/`Mirrored` leaf of ``args``/``kwargs`` is replaced by the
         replica's own component. Leaves that differ across replicas come back as
-        `PerReplica` (one replica: the plain result). ``options`` is unused (TF's).
+        `PerReplica`, and so do ints and floats, even one object on every replica
+        (equal counts are; one replica: the plain result). ``options`` is unused (TF's).
         A replica's exception is raised with a note naming the replica; `ValueError`
         for bad ``args`` or mismatched results, `RuntimeError` inside another run or
         another strategy's scope. Inside a ``merge_fn`` the replicas run one after

@@ -149,9 +149,10 @@ def test_dict_and_list_subclasses_keep_their_type_with_per_replica_leaves(two):
                  lambda **kw: collections.defaultdict(int, **kw)):
         result = two.run(lambda make=make: make(a=torch.tensor(float(rid())), b=7))
         assert type(result) is type(make(a=0))
-        # (TF returns the plain 7: the same object on every replica; a number here
-        # stays one per replica, so equal counts still sum once per replica)
-        assert isinstance(result["a"], mirrored.PerReplica) and result["b"].values == (7, 7)
+        # (TF returns the plain 7, the same object on every replica; here a number stays
+        # one per replica, so equal counts still sum once per replica, and equals 7)
+        assert isinstance(result["a"], mirrored.PerReplica) and result["b"] == 7
+        assert result["b"].values == (7, 7)
         assert [t.item() for t in result["a"].values] == [0.0, 1.0]
         reduced = two.reduce("SUM", result["a"])
         assert reduced.item() == 1.0

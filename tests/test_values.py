@@ -75,6 +75,10 @@ def test_equal_numbers_returned_by_run_stay_per_replica(replicas):
         assert strategy.reduce("SUM", sizes["n"], axis=None).item() == len(y)
         assert strategy.reduce("SUM", sizes["f"], axis=None).item() == 0.5 * replicas
         assert strategy.extended.reduce_to("SUM", sizes["n"], "CPU:0").item() == len(y)
+    # ... and still compares equal to the number they all are, as TF's plain value did
+    assert strategy.run(lambda: 5) == 5 and strategy.run(lambda: 5) != 6
+    assert strategy.run(lambda: 0.5) == 0.5
+    assert mirrored.PerReplica([torch.tensor(1)] * replicas) != 1  # (tensors: themselves)
     # merge_call's arguments keep TF's rule (the same object stays as it is)
     merged = strategy.run(lambda: mirrored.get_replica_context().merge_call(
         lambda _, n: type(n) is int and n == 3, args=(3,)))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from collections.abc import Sequence
 from typing import Any, Generic, NamedTuple, TypeVar, final
 
@@ -123,6 +124,17 @@ class PerReplica(DistributedValues[T]):
     # A batch of a multi-worker distributed dataset: its `StepExamples` (unset otherwise).
     __slots__ = ("_examples",)
     _examples: StepExamples | None
+
+    def __eq__(self, other: object) -> bool:
+        """Numbers on every replica equal the number they all are (``run`` returns
+        numbers one per replica: ``strategy.run(lambda: 1) == 1`` holds, as in TF,
+        where the same object is returned as is); anything else compares as itself."""
+        if isinstance(other, numbers.Number) and all(
+                isinstance(v, numbers.Number) for v in self.values):
+            return all(v == other for v in self.values)
+        return NotImplemented
+
+    __hash__ = DistributedValues.__hash__
 
 
 class StepExamples(NamedTuple):

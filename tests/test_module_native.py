@@ -363,3 +363,59 @@ def test_batch_norm_buffers_are_listed_for_the_optimizer(
     for r, c in enumerate(model.replicas):
         assert [id(t) for t in model.averaged_buffers(r)] == [id(c[1].running_mean),
                                                               id(c[1].running_var)]
+
+
+class _Symmetric(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w + w.T
+
+
+@pytest.mark.parametrize("kind", ["custom", "spectral_norm"])
+def test_parametrized_copies_under_cached_train_as_one_device(
+        two: mirrored.MirroredStrategy, kind: str) -> None:
+    # deepcopy kept the original's parametrized class, whose cache key is the original
+    # module: under parametrize.cached() every copy read the first replica's weight,
+    # and its backward went into that replica's gradients (wrong, or a misleading error).
+    from torch.nn.utils import parametrizations
+    from torch.nn.utils import parametrize as P
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                            nn.Linear(8, 3)).double()
+        if kind == "custom":
+            P.register_parametrization(net[2], "weight", _Symmetric())
+        else:
+            parametrizations.spectral_norm(net[2])
+        return net
+
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 4, generator=g).double(), torch.randint(0, 3, (8,), generator=g))
+               for _ in range(3)]
+    plain = make()
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for x, y in batches:
+        with P.cached():
+            loss = nn.functional.cross_entropy(plain(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model = two.mirror(make())
+    mopt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+    if kind == "custom":  # (spectral_norm's weight, read in training mode, iterates)
+        with P.cached():
+            assert model.replicas[1][2].weight is not model.replicas[0][2].weight
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        with P.cached():
+            loss = mirrored.compute_average_loss(
+                nn.functional.cross_entropy(model(x), y, reduction="none"), global_batch_size=8)
+        mopt.zero_grad()
+        loss.backward()
+        mopt.step()
+
+    for x, y in batches:
+        two.run(step, args=(mirrored.PerReplica(list(x.chunk(2))),
+                            mirrored.PerReplica(list(y.chunk(2)))))
+    for (name, a), b in zip(model.state_dict().items(), plain.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, msg=lambda m, name=name: f"{name}: {m}")

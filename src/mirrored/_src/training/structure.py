@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
+from torch.nn.utils import parametrize
 
 from .plain_optimizer import register_copies
 
@@ -75,7 +76,21 @@ def copy_to(module: nn.Module, device: torch.device) -> nn.Module:
         for hook in (t0._backward_hooks or {}).values():
             if t.requires_grad:
                 t.register_hook(hook)  # type: ignore[no-untyped-call]
+    for m in other.modules():
+        if parametrize.is_parametrized(m):
+            _own_parametrized_class(m)
     return other
+
+
+def _own_parametrized_class(module: nn.Module) -> None:
+    """Gives a deep copy of a parametrized module a class of its own. ``deepcopy``
+    keeps the original's, whose properties key ``parametrize.cached()``'s cache by
+    the *original* module: under ``cached()`` every copy then read the tensor the
+    first replica computed, and its backward went into that replica's gradients."""
+    module.__class__ = type(module).__bases__[0]
+    parametrize._inject_new_class(module)  # (torch's own, as register_parametrization)
+    for name in module.parametrizations.keys():  # type: ignore[union-attr,operator]
+        parametrize._inject_property(module, name)
 
 
 def watch(module: Any) -> None:

@@ -145,3 +145,23 @@ def test_backward_outside_run_raises_instead_of_hanging(two):
                                            r"test_gradients.py:\d+ was called outside "
                                            r"strategy.run"):
         out.values[0].backward()
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_forward_mode_ad_in_several_replicas_of_a_process_is_refused(two):
+    # torch keeps one forward-AD level per process: two replica threads in jvp at once
+    # raised "invalid index" or mixed their tangents silently.
+    from torch.func import jvp
+
+    w = torch.randn(3, 3)
+
+    def step():
+        _, tangent = jvp(lambda x: x @ w, (torch.ones(3),), (torch.ones(3),))
+        return tangent
+
+    with pytest.raises(RuntimeError, match=r"forward-mode AD .* outside strategy\.run"):
+        two.run(step)
+    _, tangent = jvp(lambda x: x @ w, (torch.ones(3),), (torch.ones(3),))  # outside: fine
+    torch.testing.assert_close(tangent, torch.ones(3) @ w)
+    one = mirrored.MirroredStrategy(["CPU:0"])  # one replica: torch's own
+    torch.testing.assert_close(one.run(step), torch.ones(3) @ w)

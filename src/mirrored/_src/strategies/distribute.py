@@ -51,6 +51,8 @@ def run(strategy: Any, parts: Parts, contexts: Sequence[Any], fn: Callable[..., 
         args: Any, kwargs: Any) -> Any:
     """`Strategy.run` (but the one-replica fast path): checks, the replicas' calls, the
     runtime's run, the results regrouped."""
+    if not _GUARDED:
+        _refuse_forward_ad_in_replicas()
     idle = context.idle()  # outside every scope and run: nothing to refuse or nest
     if idle and kwargs is None and type(args) is tuple and not args:
         replica_args = None  # (what check_run returns for no arguments)
@@ -291,3 +293,31 @@ def distribute_values(parts: Parts, value_fn: Callable[[ValueContext], Any], *,
         return PerReplica._from_trusted(tuple(values), topology.device_names)
     return regroup(values, topology.device_names, collapse_identical=False,
                    always_per_replica=True)
+
+
+_GUARDED: list[bool] = []
+
+
+def _refuse_forward_ad_in_replicas() -> None:
+    """Wraps ``torch.autograd.forward_ad.enter_dual_level`` (once per process) to refuse
+    forward-mode AD in a replica of a process with several: torch keeps one
+    process-wide dual level, and replicas entering it at once broke each other's
+    (torch's "invalid index" error, or tangents mixed silently)."""
+    from torch.autograd import forward_ad
+
+    original = forward_ad.enter_dual_level
+
+    def enter_dual_level() -> int:
+        parts = getattr(context.current_replica_context(), "_parts", None)
+        if parts is not None and parts.topology.num_local_replicas > 1 and context.in_run():
+            raise RuntimeError(
+                "forward-mode AD (torch.func.jvp, torch.autograd.forward_ad.dual_level) "
+                "inside strategy.run with several replicas in one process: torch keeps "
+                "one dual level for the whole process, and the replicas' threads would "
+                "enter and leave it over each other (torch raises 'invalid index', or the "
+                "tangents mix silently). Compute it outside strategy.run, or run one "
+                "replica per process (MultiWorkerMirroredStrategy)")
+        return original()  # type: ignore[no-untyped-call,no-any-return]
+
+    forward_ad.enter_dual_level = enter_dual_level
+    _GUARDED.append(True)

@@ -89,7 +89,7 @@ def _own_parametrized_class(module: nn.Module) -> None:
     first replica computed, and its backward went into that replica's gradients."""
     module.__class__ = type(module).__bases__[0]
     parametrize._inject_new_class(module)  # (torch's own, as register_parametrization)
-    for name in module.parametrizations.keys():  # type: ignore[union-attr,operator]
+    for name in list(module.parametrizations):  # type: ignore[arg-type]
         parametrize._inject_property(module, name)
 
 

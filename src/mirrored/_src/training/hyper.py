@@ -69,15 +69,17 @@ class StepHyperParameters:
         for k, (before, now) in enumerate(zip(was, self._signature(), strict=True)):
             if before == now:
                 continue
-            entry = source.get(self._params[0][k])
+            entry = source.get(home := self._params[0][k])
             for r in range(1, len(self._optimizers)):
                 p, state = self._params[r][k], self._optimizers[r].state
                 if entry is None:
                     state.pop(p, None)
-                else:
-                    state[p] = {key: v.detach().to(p.device, copy=True)
-                                if isinstance(v, torch.Tensor) else copy.deepcopy(v)
-                                for key, v in entry.items()}
+                else:  # (on the copy's device what is on the parameter's: a CPU step
+                    # count of Adam stays on the CPU, as torch's load_state_dict keeps it)
+                    state[p] = {key: v.detach().to(
+                        p.device if v.device == home.device else v.device, copy=True)
+                        if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                        for key, v in entry.items()}
 
     def publish(self, r: int, step: int) -> None:
         """Replica ``r``'s call before the all-reduce of ``step``: replica 0 records."""

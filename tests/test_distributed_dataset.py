@@ -665,21 +665,47 @@ def test_a_new_pass_over_a_one_shot_source_starts_with_the_steps_read_ahead(
 
 
 @pytest.mark.timeout(30)
-def test_two_live_passes_over_a_one_shot_source_never_count_each_others_steps() -> None:
-    # The steps a pass read ahead go to the next pass only when no other is live: two
-    # passes at once (interleaved) each read for themselves, and every step they hand
-    # out is a real batch of the source, none twice, alike on every worker.
+def test_a_new_pass_supersedes_a_live_one_over_a_one_shot_source() -> None:
+    # TF's custom loop takes `iterator = iter(dataset)` at each epoch while the variable
+    # still holds the last epoch's: the new pass read the source alone, so the steps
+    # the old one had read ahead (for the vote, or prefetched) were lost or came back
+    # epochs later. The new pass now goes on where the old one stopped, and the old
+    # one is refused if used again (interleaved, they counted each other's steps).
     def make(index: int, any_worker: Callable[[bool], bool]) -> list[Any]:
-        batches = [torch.arange(2 * b, 2 * b + 2) for b in range(20)]
+        batches = [torch.arange(2 * b, 2 * b + 2) for b in range(7)]
         topo = Topology(devices=parse_devices(["CPU:0"]), worker_index=index, num_workers=2)
         dataset = DistributedDataset(iter(batches), topo, InputOptions(),
                                      any_worker=any_worker)
-        a, b = iter(dataset), iter(dataset)
-        return [int(next(it).values[0][0]) for _ in range(6) for it in (a, b)]
+        epochs: list[Any] = []
+        iterator = iter(dataset)
+        for _ in range(3):
+            old, iterator = iterator, iter(dataset)  # (the variable still holds `old`)
+            epochs.append([int(next(iterator).values[0][0]) // 2 for _ in range(2)])
+        with pytest.raises(RuntimeError, match="superseded by a new pass"):
+            next(old)
+        epochs.append([int(s.values[0][0]) // 2 for s in iter(dataset)])
+        return epochs
 
     (w0, w1), _ = run_workers(make, 2, counted=True, each=True)
-    assert len(set(w0)) == 12 and all(v % 2 == 0 for v in w0), w0
-    assert w1 == [v + 1 for v in w0]
+    assert w0 == w1 == [[0, 1], [2, 3], [4, 5], [6]]
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_an_iterator_per_epoch_goes_on_with_prefetching(
+        two: mirrored.MirroredStrategy, depth: int) -> None:
+    def batches() -> Iterator[torch.Tensor]:
+        for k in range(6):
+            yield torch.arange(4 * k, 4 * k + 4)
+
+    dataset = two.experimental_distribute_dataset(batches(), options(depth))
+    seen = []
+    for _ in range(3):
+        iterator = iter(dataset)
+        seen.append([int(torch.cat(two.experimental_local_results(next(iterator)))[0]) // 4
+                     for _ in range(2)])
+    assert seen == [[0, 1], [2, 3], [4, 5]]
+    del iterator
+    wait_no_prefetch_threads()
 
 
 @pytest.mark.timeout(30)

@@ -433,10 +433,14 @@ def _gather_worker(local: int) -> list[list[float]]:
             assert (type(predictions) is torch.Tensor) is (local == 1)
             out.append(strategy.gather(predictions, axis=0).tolist())
             nest = strategy.gather({"p": predictions, "w": torch.tensor(
-                [float(strategy.cluster_resolver.worker_index)]), "split": "eval",
-                "n": 3, "loss": torch.tensor(0.5)}, axis=-1)
-            assert (nest["split"], nest["n"], nest["loss"].item()) == ("eval", 3, 0.5)  # as is
+                [float(strategy.cluster_resolver.worker_index)]), "split": "eval"}, axis=-1)
+            assert nest["split"] == "eval"  # (as is)
             out.append(nest["p"].tolist() + nest["w"].tolist())
+            # A number or a scalar run returned is one per replica: refused as in one
+            # process (on workers of one replica it returned each worker's own).
+            for scalar in strategy.run(lambda x: (x.sum().item(), x.sum()), args=(x,)):
+                with pytest.raises(ValueError, match="rank-0"):
+                    strategy.gather(scalar, axis=0)
         return out
     finally:
         strategy.close()

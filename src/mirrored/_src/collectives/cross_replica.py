@@ -10,6 +10,7 @@ autograd graph.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
@@ -206,11 +207,14 @@ def gather(parts: Parts, value: Any, axis: int) -> Any:
         if isinstance(leaf, DistributedValues):
             check_components(parts, leaf, where)
             components = [_detached(to_tensor(v, where, "gather")) for v in leaf.values]
-        elif topology.worker_values and getattr(leaf, "ndim", 0) > 0:
+        elif topology.worker_values and (getattr(leaf, "ndim", 0) > 0 or (
+                topology.num_local_replicas == 1 and not isinstance(leaf, bool)
+                and isinstance(leaf, numbers.Number | torch.Tensor))):
             # Across workers, a plain tensor or array is this worker's, once (as `reduce`
             # takes it): what `run` returns on a worker of one replica is such a value,
-            # and gathering it must reach the other workers' rows. (Anything else, a
-            # string, a count, a scalar, is returned as is, as in one process.)
+            # and gathering it must reach the other workers' rows; there a number or a
+            # rank-0 tensor is one too, refused as a replica's would be (it returned
+            # each worker's own). Anything else (a string) is returned as is.
             tensor = _detached(to_tensor(leaf, where, "gather"))
             dim = plan_gather(title, [tensor], axis, topology.labels[:1], where)
             components = [tensor] + [tensor.narrow(dim, 0, 0)] * (topology.num_local_replicas

@@ -37,11 +37,14 @@ class ReadAhead:
             producer.join()
 
     def claim(self, owner: Any) -> bool:
-        """Whether ``owner`` (a new pass) may take the steps: no other pass of the
-        dataset is live (two passes at once would count each other's steps)."""
+        """``owner`` (a new pass) takes the steps. A pass of the dataset still live (the
+        ``iterator = iter(dataset)`` of each epoch while the variable holds the last
+        epoch's) is superseded first: closed, its steps read ahead left here, and
+        refused if used again (two passes at once would count each other's steps,
+        and the new one, reading alone, lost or reordered what the old had read)."""
         current = None if self.owner is None else self.owner()
         if current is not None and not current._finished:
-            return False
+            current.supersede()
         self.owner = weakref.ref(owner)
         return True
 

@@ -118,6 +118,7 @@ class DistributedIterator:
         self._last: Any = None
         self._exhausted = False
         self._finished = False
+        self._superseded = False
         # Multi-worker: this worker's steps (``length``: its source's len(), -1 if
         # unknown; None: not asked, e.g. per-worker pipelines) and, once every worker's
         # is known (`WorkerVote.steps`, at the first step), the most of them: then no
@@ -153,6 +154,13 @@ class DistributedIterator:
                 "context), where every replica would take a step of its own; take the step "
                 "outside and pass it in: strategy.run(fn, args=(next(iterator),))")
         if self._finished:
+            if self._superseded:
+                raise RuntimeError(
+                    "this distributed iterator was superseded by a new pass over the same "
+                    "one-shot source (iter(dataset) again while this one was still live): "
+                    "the new pass goes on where this one stopped, with the steps it had "
+                    "read ahead. Use the new iterator; two live passes over one iterator "
+                    "or generator would each lose or reorder the other's steps")
             raise StopIteration
         if self._total is not None:
             return self._counted_step()
@@ -365,6 +373,12 @@ class DistributedIterator:
             return DistributedOptional(next(self))
         except StopIteration:
             return DistributedOptional.empty()
+
+    def supersede(self) -> None:
+        """Closes the pass for a new one over the same one-shot source (`ReadAhead`);
+        later steps raise `RuntimeError`."""
+        self.close()
+        self._superseded = True
 
     def close(self) -> None:
         """Ends the pass and stops the prefetch thread; later steps raise `StopIteration`.

@@ -235,7 +235,8 @@ def test_an_unseen_backward_onto_left_gradients_raises(two: mirrored.MirroredStr
         avg(criterion(m.b(torch.tanh(m.a(x))), y)).backward()
         opt.step()
 
-    with pytest.raises(RuntimeError, match=r"left in \.grad by the last step.*zero_grad"):
+    with pytest.raises(RuntimeError, match=r"gradient of 'a\.weight' \(and 3 more\) that the "
+                                           r"last step left in \.grad.*replica 0.*zero_grad"):
         train(two, through_submodules)
 
     def zeroed(i: int, m: Any, opt: Any, x: torch.Tensor, y: torch.Tensor, avg: Any) -> None:
@@ -314,7 +315,7 @@ def test_a_parameter_used_outside_forward_onto_left_gradients_raises(
         if zero:
             two.run(step, args=(model, opt, x, zero))
             continue
-        with pytest.raises(RuntimeError, match=r"outside the forward.*zero_grad"):
+        with pytest.raises(RuntimeError, match=r"gradient of 'scale'.*outside the forward"):
             two.run(step, args=(model, opt, x, zero))
 
 

@@ -52,9 +52,10 @@ class CarriedGradients:
     """
 
     def __init__(self, params: Sequence[Sequence[nn.Parameter]],
-                 pending: Sequence[list[CarriedGradients]], ends: list[int] | None = None
-                 ) -> None:
+                 pending: Sequence[list[CarriedGradients]], ends: list[int] | None = None,
+                 names: Sequence[str] = ()) -> None:
         self._params = params
+        self._names = names  # (the parameters', for messages)
         self._pending = pending
         self._ends = ends  # per replica: backward passes ended (`GradientWatch.ends`)
         self._since = [0] * len(params)  # ... when the zeros went in
@@ -109,7 +110,7 @@ class CarriedGradients:
             if was is None or g is None or g is not was[0]():
                 continue
             if g._version != was[1]:
-                raise RuntimeError(_CHANGED.format(n=1, where="when backward() started"))
+                raise RuntimeError(self._changed([k], r, "when backward() started"))
             kept[k] = (g, zeros := torch.zeros_like(g))
             p.grad = zeros
         self._kept[r] = kept if any(kept) else None
@@ -129,21 +130,21 @@ class CarriedGradients:
         if left is not None:
             self.forget(r)
             kept = [None] * len(left)
-            changed = 0
+            changed: list[int] = []
             for k, (p, was) in enumerate(zip(self._params[r], left, strict=True)):
                 g = p.grad
                 if was is None or g is None:
                     continue
                 if g is was[0]():
                     if g._version != was[1]:
-                        changed += 1
+                        changed.append(k)
                         continue
                     kept[k] = (g, None)
                     p.grad = None
                 elif g.grad_fn is not None:  # (create_graph=True adds out of place)
-                    changed += 1
+                    changed.append(k)
             if changed:
-                raise RuntimeError(_CHANGED.format(n=changed, where="at this step"))
+                raise RuntimeError(self._changed(changed, r, "at its optimizer.step()"))
         if kept is None:
             return None
         # Each backward adds into the zeros once: more changes than backward passes
@@ -159,6 +160,12 @@ class CarriedGradients:
                 or (g is not None and g is zeros and (passes is None or g._version <= passes))
                 or (g is not None and g is not zeros and g.grad_fn is not None)) else entry[0])
         return out if any(t is not None for t in out) else None
+
+
+    def _changed(self, changed: list[int], r: int, when: str) -> str:
+        names = [self._names[k] if k < len(self._names) else f"#{k}" for k in changed]
+        more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+        return _CHANGED.format(name=names[0], more=more, r=r, when=when)
 
 
 def _untouched(g: torch.Tensor | None, was: tuple[Any, int]) -> bool:
@@ -219,8 +226,9 @@ class _Starts:
 
 
 _CHANGED = (
-    "MirroredOptimizer: {n} gradient(s) left in .grad by the last step (no zero_grad() "
-    "since) were changed in place {where}: by a backward() whose start the mirrored "
+    "MirroredOptimizer: the gradient of {name!r}{more} that the last step left in .grad "
+    "(no zero_grad() since) was found changed in place on local replica {r} {when} "
+    "(expected: untouched, or cleared): by a backward() whose start the mirrored "
     "model did not see (the forward ran a submodule or model.module directly, or a "
     "parameter is used in the loss outside the forward, e.g. a learned temperature), "
     "or by an in-place change such as p.grad.zero_(). Each replica holds the last "

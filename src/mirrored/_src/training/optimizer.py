@@ -112,7 +112,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
         return self._optimizers[r or 0].state
 
     @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]  # (replica 0's)
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        """Replica 0's optimizer's defaults."""
         return self._optimizers[0].defaults
 
     @property
@@ -215,8 +216,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ GradScaler
     def amp_replica(self) -> int | None:
-        """The calling replica's local index when a ``GradScaler`` must act for N
-        replicas (see `amp`), else ``None``."""
+        """The calling replica's index when a ``GradScaler`` acts for N (`amp`), or ``None``."""
         if self._strategy.num_replicas_in_sync == 1:
             return None
         return replica_index(self._strategy, "GradScaler.step", required=False)

@@ -96,7 +96,7 @@ class GradientReducer:
                        if check != "off" else None)
         self.reduced = [False] * local  # the replica's gradients are all-reduced already
         self.carried = CarriedGradients(params, module._carrying, None if self._watch is None
-                                        else self._watch.ends) if n > 1 else None
+                                        else self._watch.ends, names) if n > 1 else None
         if self.carried is not None:
             module._carried.add(self.carried)
         self.seq = [0] * local  # all-reduces made by each replica (equal on every one)

@@ -391,3 +391,41 @@ def test_a_parameter_returned_by_forward_gets_no_hooks_and_grads_are_not_held(
             p.grad = None
     gc.collect()
     assert all(g() is None for g in grads)  # (the step's records are weak)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_left_gradients_in_half_precision_and_an_inference_forward_between(
+        two: mirrored.MirroredStrategy, dtype: torch.dtype) -> None:
+    # The zeros that stand in for the old gradient take its dtype; a forward under
+    # torch.inference_mode (or no_grad) between steps hooks nothing and keeps them.
+    def program(i: int, m: Any, opt: Any, x: torch.Tensor, y: torch.Tensor,
+                avg: Any) -> None:
+        with torch.inference_mode():
+            m(x.to(dtype))
+        avg(criterion(m(x.to(dtype)).float(), y)).backward()
+        opt.step()
+
+    def half_device() -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = Net().to(dtype)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        xs, ys = data()
+        for i in range(STEPS):
+            program(i, model, opt, xs[i], ys[i], lambda loss: loss.mean())
+        return [p.detach().float() for p in model.parameters()]
+
+    torch.manual_seed(0)
+    model = two.mirror(Net().to(dtype))
+    opt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    xs, ys = data()
+    def average(loss: torch.Tensor) -> torch.Tensor:
+        return mirrored.compute_average_loss(loss, global_batch_size=12)
+
+    for i in range(STEPS):
+        two.run(lambda x, y: program(i, model, opt, x, y, average),  # noqa: B023
+                args=(mirrored.PerReplica(list(xs[i].chunk(2))),
+                      mirrored.PerReplica(list(ys[i].chunk(2)))))
+    assert all(p.grad.dtype == dtype for p in model.parameters())
+    for a, b in zip((p.detach().float() for p in model.parameters()), half_device(),
+                    strict=True):
+        torch.testing.assert_close(a, b, rtol=0.05, atol=0.02)

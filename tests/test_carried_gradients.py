@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import mirrored
+from mirrored._src.training import host_sum as host_sum_module
 from mirrored._src.training import overlap as overlap_module
 from mirrored.experimental import CommunicationOptions
 
@@ -429,3 +430,85 @@ def test_left_gradients_in_half_precision_and_an_inference_forward_between(
     for a, b in zip((p.detach().float() for p in model.parameters()), half_device(),
                     strict=True):
         torch.testing.assert_close(a, b, rtol=0.05, atol=0.02)
+
+
+def _between_steps(change: Callable[[Any], None]) -> Program:
+    """A loop without zero_grad() that changes the left gradients of ``b`` before the
+    forward of its second step (the first step's gradients are the all-reduce's; later
+    ones are sums with the kept gradients)."""
+    def program(i: int, m: Any, opt: Any, x: torch.Tensor, y: torch.Tensor,
+                avg: Any) -> None:
+        if i == 1:
+            change(m)
+        never_zero(i, m, opt, x, y, avg)
+    return program
+
+
+def _zero_b_weight(m: Any) -> None:
+    m.b.weight.grad.zero_()
+
+
+def _none_b_weight(m: Any) -> None:
+    m.b.weight.grad = None
+
+
+def _new_zeros_b_weight(m: Any) -> None:
+    m.b.weight.grad = torch.zeros_like(m.b.weight)
+
+
+def _halve_b_weight(m: Any) -> None:
+    m.b.weight.grad.mul_(0.5)
+
+
+def _add_to_b_bias(m: Any) -> None:
+    m.b.bias.grad = m.b.bias.grad + 1.0
+
+
+@pytest.mark.parametrize("change", [_zero_b_weight, _none_b_weight, _new_zeros_b_weight])
+def test_one_left_gradient_cleared_by_hand_counts_as_cleared(
+        two: mirrored.MirroredStrategy, change: Callable[[Any], None]) -> None:
+    program = _between_steps(change)
+    assert_close(train(two, program)[0], one_device(program))
+
+
+@pytest.mark.parametrize(("change", "name"), [(_halve_b_weight, "b.weight"),
+                                              (_add_to_b_bias, "b.bias")])
+def test_a_left_gradient_changed_by_hand_raises(two: mirrored.MirroredStrategy,
+                                                change: Callable[[Any], None],
+                                                name: str) -> None:
+    # Half the old gradient on one device; it was taken as cleared and summed once per
+    # replica (2 x 0.5 = the whole old gradient), silently.
+    with pytest.raises(RuntimeError, match=rf"gradient of {name!r} that the last step left "
+                                           r"in \.grad.*changed on local replica 0 when "
+                                           r"backward\(\) started.*expected: untouched, or "
+                                           r"cleared.*by hand \(p\.grad\.mul_\(\)"):
+        train(two, _between_steps(change))
+
+
+@pytest.fixture
+def packed(monkeypatch: pytest.MonkeyPatch) -> Iterator[mirrored.MirroredStrategy]:
+    # Three replicas whose gradients take the packed all-reduce (as across workers):
+    # the step's gradients are views of one buffer, sharing one version counter.
+    monkeypatch.setattr(host_sum_module, "HOST_SUM_BYTES", 0)
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2"])
+    yield strategy
+    strategy.close()
+
+
+def test_left_gradients_that_share_a_version_counter(packed: mirrored.MirroredStrategy
+                                                     ) -> None:
+    def views(i: int, m: Any, opt: Any, x: torch.Tensor, y: torch.Tensor, avg: Any) -> None:
+        if i == 1:  # (what this test is about)
+            assert all(p.grad._base is not None for p in m.parameters())
+        never_zero(i, m, opt, x, y, avg)
+
+    train(packed, views)
+    for change in (_none_b_weight, _new_zeros_b_weight):
+        program = _between_steps(change)
+        assert_close(train(packed, program)[0], one_device(program))
+    # Zeroing one in place bumps the shared counter: the others, untouched, looked
+    # cleared, and were summed once per replica, silently (0.06 off). Now it raises and
+    # says how to clear one alone.
+    with pytest.raises(RuntimeError, match=r"gradient of 'a\.weight' \(and 2 more\).*views of "
+                                           r"one buffer.*p\.grad = None"):
+        train(packed, _between_steps(_zero_b_weight))

@@ -11,20 +11,25 @@ and they are equal), and added back once to the all-reduced sum: one device's
 
 What is "left": at the end of each step a replica's gradients are recorded (weakly)
 with their version counters. A gradient still the same tensor at the same version
-was not touched since: ``zero_grad()`` replaces it or, with ``set_to_none=False``,
-zeroes it in place, and either way it is no longer left (the mirrored optimizer's
-and model's ``zero_grad`` also forget what was kept). Backward starts are seen by a
-hook on the mirrored model's outputs, registered only while some replica holds
-records (a loop that calls ``zero_grad()`` before the forward pass registers none).
-A step reached with no backward since the last one (``step()`` twice) finds its
-gradients untouched and counts them once too. Kept gradients later set to ``None``
-or replaced by hand count as cleared.
+was not touched since. One that is ``None`` or all zeros was cleared:
+``zero_grad()`` (the mirrored optimizer's and model's also forget what was kept),
+``p.grad = None``, ``p.grad.zero_()``. Backward starts are seen by a hook on the
+mirrored model's outputs, registered only while some replica holds records (a loop
+that calls ``zero_grad()`` before the forward pass registers none). A step reached
+with no backward since the last one (``step()`` twice) finds its gradients untouched
+and counts them once too. Kept gradients later set to ``None`` or replaced by hand
+count as cleared.
 
-Where the two cannot be told apart the step raises rather than guess: a left
-gradient changed in place by a backward whose start was not seen (the forward ran
-a submodule or ``model.module`` directly, or a parameter is used in the loss outside
-the forward, which torch accumulates before the outputs' gradient) against one
-cleared by ``p.grad.zero_()``.
+Any other change is one the step cannot count rightly, so it raises rather than
+guess: a left gradient scaled by hand (``p.grad.mul_(0.5)``: one device holds half
+the old gradient, which the replicas would sum N times) cannot be told from one
+added to by a backward whose start was not seen (the forward ran a submodule or
+``model.module`` directly, or a parameter is used in the loss outside the forward,
+which torch accumulates before the outputs' gradient), whose part differs from
+replica to replica. Where a step's gradients are views of one buffer (the packed
+all-reduce across workers, or of more than two replicas), they share one version
+counter: zeroing one by hand then shows on all, and the untouched others raise
+too, with the advice to clear one by ``p.grad = None``.
 """
 
 from __future__ import annotations
@@ -84,9 +89,9 @@ class CarriedGradients:
         left = self._left[r]
         if left is not None:
             for k, (p, was) in enumerate(zip(self._params[r], left, strict=True)):
-                if was is not None and not _untouched(p.grad, was):
+                if was is not None and _judge(p.grad, was) is _CLEARED:
                     left[k] = None
-            if any(left):
+            if any(left):  # (changed ones stay: the backward or the step raises)
                 return True
         self.forget(r)
         return False
@@ -104,15 +109,17 @@ class CarriedGradients:
         self.forget(r)
         if self._ends is not None:
             self._since[r] = self._ends[r]
+        params = self._params[r]
+        judged = [_CLEARED if was is None else _judge(p.grad, was)
+                  for p, was in zip(params, left, strict=True)]
+        if _CHANGED in judged:
+            raise RuntimeError(self._changed([k for k, j in enumerate(judged) if j is _CHANGED],
+                                             r, "when backward() started"))
         kept: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * len(left)
-        for k, (p, was) in enumerate(zip(self._params[r], left, strict=True)):
-            g = p.grad
-            if was is None or g is None or g is not was[0]():
-                continue
-            if g._version != was[1]:
-                raise RuntimeError(self._changed([k], r, "when backward() started"))
-            kept[k] = (g, zeros := torch.zeros_like(g))
-            p.grad = zeros
+        for k, p in enumerate(params):
+            if judged[k] is _LEFT and (g := p.grad) is not None:
+                kept[k] = (g, zeros := torch.zeros_like(g))
+                p.grad = zeros
         self._kept[r] = kept if any(kept) else None
 
     def take(self, r: int) -> list[torch.Tensor | None] | None:
@@ -133,16 +140,13 @@ class CarriedGradients:
             changed: list[int] = []
             for k, (p, was) in enumerate(zip(self._params[r], left, strict=True)):
                 g = p.grad
-                if was is None or g is None:
+                if was is None or g is None or (judged := _judge(g, was)) is _CLEARED:
                     continue
-                if g is was[0]():
-                    if g._version != was[1]:
-                        changed.append(k)
-                        continue
-                    kept[k] = (g, None)
-                    p.grad = None
-                elif g.grad_fn is not None:  # (create_graph=True adds out of place)
+                if judged is _CHANGED:
                     changed.append(k)
+                    continue
+                kept[k] = (g, None)
+                p.grad = None
             if changed:
                 raise RuntimeError(self._changed(changed, r, "at its optimizer.step()"))
         if kept is None:
@@ -165,11 +169,29 @@ class CarriedGradients:
     def _changed(self, changed: list[int], r: int, when: str) -> str:
         names = [self._names[k] if k < len(self._names) else f"#{k}" for k in changed]
         more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
-        return _CHANGED.format(name=names[0], more=more, r=r, when=when)
+        grads = [self._params[r][k].grad for k in changed]
+        views = any(g is not None and g._base is not None for g in grads)
+        return _CHANGED_MESSAGE.format(name=names[0], more=more, r=r, when=when,
+                                       views=_VIEWS if views else "")
 
 
-def _untouched(g: torch.Tensor | None, was: tuple[Any, int]) -> bool:
-    return g is not None and g is was[0]() and g._version == was[1]
+_LEFT, _CLEARED, _CHANGED = "left", "cleared", "changed"
+
+
+def _judge(g: torch.Tensor | None, was: tuple[Any, int]) -> str:
+    """What became of a gradient a step left (``was``: its record): still there
+    untouched (`_LEFT`), cleared (``None``, or zeros: ``p.grad.zero_()``, a new zero
+    tensor), or changed otherwise (`_CHANGED`: scaled or added to in place, by hand or
+    by a backward not seen, or replaced by another non-zero tensor). Only a touched
+    gradient is read, once per forward pass while records exist: a loop that calls
+    ``zero_grad()`` never gets here."""
+    if g is None:
+        return _CLEARED
+    if g is was[0]() and g._version == was[1]:
+        return _LEFT
+    if g.grad_fn is None and not bool(g.any()):
+        return _CLEARED
+    return _CHANGED
 
 
 def add_kept(params: Sequence[nn.Parameter], kept: list[torch.Tensor | None]) -> None:
@@ -225,16 +247,19 @@ class _Starts:
             carried.backward_starts(self.r)
 
 
-_CHANGED = (
+_CHANGED_MESSAGE = (
     "MirroredOptimizer: the gradient of {name!r}{more} that the last step left in .grad "
-    "(no zero_grad() since) was found changed in place on local replica {r} {when} "
-    "(expected: untouched, or cleared): by a backward() whose start the mirrored "
+    "(no zero_grad() since) was found changed on local replica {r} {when} (expected: "
+    "untouched, or cleared: None or zeros): by a backward() whose start the mirrored "
     "model did not see (the forward ran a submodule or model.module directly, or a "
     "parameter is used in the loss outside the forward, e.g. a learned temperature), "
-    "or by an in-place change such as p.grad.zero_(). Each replica holds the last "
-    "step's all-reduced gradient, so summing it again would count it once per replica "
-    "where one device counts it once, and the two cases cannot be told apart. Call "
-    "optimizer.zero_grad() (or model.zero_grad()) between steps")
+    "or by hand (p.grad.mul_(), a non-zero tensor assigned to p.grad).{views} Each "
+    "replica holds the last step's all-reduced gradient, so summing it again would count "
+    "it once per replica where one device counts it once, and the two cases cannot be "
+    "told apart. Call optimizer.zero_grad() (or model.zero_grad()) between steps")
+_VIEWS = (" Here a step's gradients are views of one buffer, which share one version "
+          "counter, so an in-place change of one (p.grad.zero_()) shows on all of them: "
+          "clear one parameter's gradient with p.grad = None.")
 
 
 def skip_in_dynamo(code: Any, *, inside: bool = False) -> None:

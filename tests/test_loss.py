@@ -175,6 +175,42 @@ def test_different_global_batch_sizes_on_replicas_raise_before_the_step(two, ove
             torch.testing.assert_close(got.detach(), want)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_per_replica_size_on_every_replica_raises_before_the_step(strategies, n, overlap,
+                                                                    monkeypatch):
+    # global_batch_size=len(x) on an even batch: every replica gives the same value, so
+    # they agree, and the gradient was N times one device's, silently.
+    monkeypatch.setattr(overlap_module, "DEFAULT_BUCKET_BYTES", 4)
+    made, batches = [], []
+    with pytest.raises(ValueError, match=rf"every replica gave compute_average_loss\("
+                                         rf"per_example_loss, global_batch_size=2\) the number "
+                                         rf"of rows of its own.*{n} times the mean.*no replica "
+                                         r"applied the step"):
+        _linear_training(strategies[n], [[2] * n, [2] * n], lambda x, ctx: len(x),
+                         overlap=overlap, batches=batches, models=made)
+    assert len(batches) == 1  # (the first step raised, and no copy moved)
+    torch.manual_seed(0)
+    initial = list(torch.nn.Linear(3, 2).parameters())
+    for copy in made[0].replicas:
+        for got, want in zip(copy.parameters(), initial, strict=True):
+            torch.testing.assert_close(got.detach(), want.detach())
+
+
+@pytest.mark.parametrize(("sizes", "skip_empty"), [
+    ([[4, 0]], False),  # one replica holds the whole batch: its rows are the global count
+    ([[4, 0]], True),  # ... and the other skips its loss
+    ([[2, 2], [3, 1], [1, 3]], False),  # the global size, which no replica's rows equal
+])
+def test_a_size_equal_to_some_replicas_rows_is_not_refused(two, sizes, skip_empty):
+    batches = []
+    model = _linear_training(two, sizes, lambda x, ctx: 4, skip_empty=skip_empty,
+                             batches=batches)
+    for got, expected in zip(_weights(model), _one_device(batches, [4] * len(sizes)),
+                             strict=True):
+        torch.testing.assert_close(got, expected)
+
+
 def test_the_same_global_batch_size_everywhere_trains_as_one_device(two):
     batches = []
     model = _linear_training(two, [[2, 2], [3, 1], [0, 2]], lambda x, ctx: 4,

@@ -188,10 +188,11 @@ def test_a_restarted_job_resumes_from_the_last_checkpoint(tmp_path):
         ["ckpt-000000004.pt", "ckpt-000000006.pt"])
 
 
-def _per_replica_global_size(local: int) -> dict:
+def _per_replica_global_size(local: int, times_replicas: bool = True) -> dict:
     """The loop above with ``global_batch_size=len(x) * num_replicas_in_sync`` (TF's
     per-replica formula), which is wrong on an uneven last batch (7 examples here:
-    4 + 3 on one replica per worker, 2 + 2 + 2 + 1 on two)."""
+    4 + 3 on one replica per worker, 2 + 2 + 2 + 1 on two); or (``times_replicas``
+    false) ``len(x)``, wrong at every step."""
     strategy = mirrored.MultiWorkerMirroredStrategy(
         communication_options=CommunicationOptions(timeout_seconds=30),
         devices=[f"CPU:{i}" for i in range(local)])
@@ -200,7 +201,7 @@ def _per_replica_global_size(local: int) -> dict:
 
     def step_fn(x: torch.Tensor, y: torch.Tensor) -> None:
         loss = nn.functional.cross_entropy(model(x), y, reduction="none")
-        size = len(x) * strategy.num_replicas_in_sync
+        size = len(x) * (strategy.num_replicas_in_sync if times_replicas else 1)
         mirrored.compute_average_loss(loss, global_batch_size=size).backward()
         opt.step()
         opt.zero_grad()
@@ -234,6 +235,23 @@ def test_workers_dividing_by_different_global_batch_sizes_raise_before_the_step(
         listing = result["error"].split("(", 2)[2]
         assert [f"replica {g}: " in listing for g in range(2 * local)] == [True] * (2 * local)
         _assert_close(result["state"], expected)  # the uneven step was not applied
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("local", [1, 2])
+def test_workers_dividing_by_their_own_rows_raise_at_the_first_step(local):
+    # Every replica gives the same size, so they agree: the gradient was N times one
+    # device's, silently.
+    results = mirrored.testing.run_multi_process(_per_replica_global_size, 2,
+                                                 args=(local, False), timeout=110)
+    expected = dict(train_reference(0))
+    expected = {k: expected[k] for k in results[0]["state"]}
+    for result in results:
+        assert result["steps"] == 0, result["error"]
+        assert (f"global_batch_size={8 // (2 * local)}) the number of rows of its own"
+                in result["error"]), result["error"]
+        assert f"{2 * local} times the mean" in result["error"]
+        _assert_close(result["state"], expected)  # not applied
 
 
 def _plain_optimizer() -> dict:

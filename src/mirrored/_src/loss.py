@@ -13,6 +13,9 @@ from .values import StepExamples
 __all__ = ["compute_average_loss", "scale_regularization_loss"]
 
 
+_MARKED_BELOW = 1 << 22  # (sizes whose + 0.5 float32 holds exactly)
+
+
 def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = None
                          ) -> torch.Tensor:
     """Sums this replica's per-example losses and divides by the global batch size.
@@ -86,8 +89,14 @@ def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = 
         size = int(size)
         if many:  # compared across replicas at the all-reduce
             divisors = replica._parts.loss_divisors
-            if size > divisors[replica._index]:
-                divisors[replica._index] = size
+            index = replica._index
+            # Marked (+ 0.5, exact in the step's float32 slots) when it is this loss's
+            # own row count, which every replica giving is a per-replica size.
+            own = size == loss.shape[0] and size < _MARKED_BELOW
+            if size > divisors[index]:
+                divisors[index] = size + 0.5 if own else size
+            elif size == int(divisors[index]) and not own:
+                divisors[index] = size
         return total / size
     if not many:  # the local count is the global one
         if not in_run and replica.strategy is not None and (

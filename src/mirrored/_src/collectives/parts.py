@@ -93,7 +93,9 @@ class Parts:
     strategy's class name, for messages. ``loss_divisors[i]``: the largest
     ``global_batch_size`` local replica ``i`` gave ``compute_average_loss`` since
     its run started or its gradients were last all-reduced (0: none; a mirrored
-    optimizer compares them across replicas); ``loss_calls[i]``: how many times it
+    optimizer compares them across replicas), plus 0.5 when every call that gave it
+    had exactly that many rows in its loss (a per-replica size: see
+    ``check.same_divisors``); ``loss_calls[i]``: how many times it
     called ``compute_average_loss`` (each mirrored optimizer notes the count at its
     step, so several optimizers stepping after one loss each see the call).
     ``copies_checked[0]``: the count of possible changes to a mirrored module's copies
@@ -115,7 +117,7 @@ class Parts:
     communicators: CommunicatorSelector
     options: CommunicationOptions
     cluster: Cluster | None = None
-    loss_divisors: list[int] = dataclasses.field(init=False)
+    loss_divisors: list[float] = dataclasses.field(init=False)
     loss_calls: list[int] = dataclasses.field(init=False)
     copies_checked: list[int] = dataclasses.field(init=False)
     step_examples: list[Any] = dataclasses.field(init=False)

@@ -345,10 +345,23 @@ def crossed_message(running: int, copy: int) -> str:
 def same_divisors(slots: list[float]) -> None:
     """Raises unless every replica that gave ``compute_average_loss`` a
     ``global_batch_size`` in this step gave the same (the largest of its calls'; 0:
-    none, e.g. a replica that skipped its loss on an empty batch)."""
+    none, e.g. a replica that skipped its loss on an empty batch), and unless every
+    replica gave its own loss's row count (marked ``+ 0.5`` by ``compute_average_loss``):
+    equal sizes on every replica, each its own rows, sum to N times the size given,
+    so that is a per-replica size on any batch.
+
+    Example:
+        >>> same_divisors([16, 16, 0])
+        >>> same_divisors([8.5, 8.5])
+        Traceback (most recent call last):
+        ...
+        ValueError: MirroredOptimizer.step: every replica gave ...
+    """
     values = [int(v) for v in slots]
     given = {v for v in values if v > 0}
     if len(given) <= 1:
+        if len(slots) > 1 and all(v > 0 and v != int(v) for v in slots):
+            raise ValueError(_PER_REPLICA_SIZE.format(size=values[0], n=len(slots)))
         return
     listing = ", ".join(f"replica {i}: {v if v > 0 else 'none'}" for i, v in enumerate(values))
     raise ValueError(
@@ -360,3 +373,13 @@ def same_divisors(slots: list[float]) -> None:
         "global batch, the same on every replica (a per-replica formula such as len(x) * "
         "num_replicas_in_sync is wrong on an uneven batch), or leave global_batch_size="
         "None to count each step's examples exactly")
+
+
+_PER_REPLICA_SIZE = (
+    "MirroredOptimizer.step: every replica gave compute_average_loss(per_example_loss, "
+    "global_batch_size={size}) the number of rows of its own per_example_loss ({size}, as "
+    "len(x) gives): each replica then averages over its own batch, and the all-reduced "
+    "gradient is the sum of {n} replicas' means, {n} times the mean over the global batch "
+    "that one device computes; no replica applied the step. Pass the size of the whole "
+    "global batch, the same on every replica (len(x) * num_replicas_in_sync on an even "
+    "batch), or leave global_batch_size=None to count each step's examples exactly")

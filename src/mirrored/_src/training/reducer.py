@@ -115,7 +115,7 @@ class GradientReducer:
         self._flags: list[list[bool] | None] = [None] * local  # requires_grad last sent
         # Read at every step on the CPU; on a GPU (a device sync) at the checked steps.
         self._flags_every_step = first.device.type == "cpu"
-        self._divisor_sent = [0] * local  # the value in the replica's divisor slot
+        self._divisor_sent: list[float] = [0] * local  # the value in the replica's divisor slot
         # Once a replica has sent a divisor, or seen one on a step the check reads its
         # table (every replica reads the slots then), it compares at every step, also
         # one in which it made no such call (a skipped loss on an empty batch).

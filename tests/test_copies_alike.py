@@ -559,7 +559,8 @@ def test_gradient_hooks_registered_before_mirror_act_on_every_copy():
         return net
 
     strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
-    model = strategy.mirror(make())
+    with pytest.warns(mirrored.GradientHookWarning, match="linear in the gradient"):
+        model = strategy.mirror(make())  # (this one is linear: right on N replicas)
     opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
     reference = make()
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)

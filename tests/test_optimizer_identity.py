@@ -206,6 +206,9 @@ def test_each_replica_calling_the_mirrored_model_is_not_a_crossing() -> None:
         scaler = torch.amp.GradScaler("cpu")
 
         def step(x: torch.Tensor) -> None:
+            # (zero_grad first: left gradients under a backward through submodules
+            # raise, see test_carried_gradients)
+            opt.zero_grad()
             h = torch.utils.checkpoint.checkpoint(model[0], x, use_reentrant=False)
             mirrored.compute_average_loss(model[2](model[1](h)).sum(1)).backward()
             scaler.scale(mirrored.compute_average_loss(model(x).sum(1))).backward()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -765,3 +765,104 @@ def test_a_learning_rate_set_between_unscale_and_step_raises(
     assert [o.param_groups[0]["lr"] for o in opt.optimizers] == [0.2, 0.2]
     with pytest.raises(RuntimeError, match=r"'lr' .* between scaler\.unscale_.*Set it before"):
         two.run(step, args=(split(x), split(y), True))
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+def test_gradients_clamped_through_data_before_step_are_refused(replicas: int) -> None:
+    # The DQN tutorial's p.grad.data.clamp_(-1, 1): .data has a version counter of its
+    # own, so the watch saw no change, and each replica clamped its local gradient
+    # (0.29 off one device, silently). On one replica too: the same code on N.
+    strategy = mirrored.MirroredStrategy([f"CPU:{i}" for i in range(replicas)])
+    model = strategy.mirror(net())
+    opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = mirrored.compute_average_loss((model(x).squeeze(1) - y) ** 2)
+        opt.zero_grad()
+        loss.backward()
+        for p in model.parameters():
+            p.grad.data.clamp_(-1e-3, 1e-3)
+        opt.step()
+
+    x, y = data()
+    parts = strategy.experimental_distribute_values_from_function(
+        lambda c: (x.chunk(replicas)[c.replica_id_in_sync_group],
+                   y.chunk(replicas)[c.replica_id_in_sync_group]))
+    try:
+        with pytest.raises(ReplicaDivergenceError, match=r"changed in place.*p\.grad\.data\."
+                                                         r"clamp_.*step\(clip_grad_value=c\)"):
+            strategy.run(lambda xy: step(*xy), args=(parts,))
+    finally:
+        strategy.close()
+
+
+def _clipped_value_training(strategy: mirrored.Strategy | None, value: float,
+                            norm: float | None = None) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    module = net()
+    x, y = data()
+    if strategy is None:
+        opt = torch.optim.SGD(module.parameters(), lr=0.1)
+        for _ in range(3):
+            opt.zero_grad()
+            ((module(x).squeeze(1) - y) ** 2).mean().backward()
+            if norm is not None:
+                nn.utils.clip_grad_norm_(module.parameters(), norm)
+            nn.utils.clip_grad_value_(module.parameters(), value)
+            opt.step()
+        return [p.detach().clone() for p in module.parameters()]
+    model = strategy.mirror(module)
+    mopt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = mirrored.compute_average_loss((model(x).squeeze(1) - y) ** 2)
+        mopt.zero_grad()
+        loss.backward()
+        mopt.step(clip_grad_norm=norm, clip_grad_value=value)
+
+    for _ in range(3):
+        strategy.run(step, args=(split(x), split(y)))
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("norm", [None, 0.05])
+def test_step_clips_the_reduced_gradients_by_value_as_one_device(
+        two: mirrored.MirroredStrategy, norm: float | None) -> None:
+    expected = _clipped_value_training(None, 1e-3, norm)
+    got = _clipped_value_training(two, 1e-3, norm)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b)
+    unclipped = _clipped_value_training(None, 1e6)
+    assert not torch.allclose(unclipped[0], expected[0])  # (the clipping mattered)
+    with pytest.raises(ValueError, match=r"clip_grad_value must be a positive finite number "
+                                         r"or None; got 0"):
+        _clipped_value_training(two, 0)
+
+
+class Clamped(nn.Module):
+    """Gradient hooks registered in the constructor, as some recipes clip."""
+
+    def __init__(self, hook: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.linear = net()
+        for p in self.linear.parameters():
+            p.register_hook(hook)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)  # type: ignore[no-any-return]
+
+
+def test_gradient_hooks_on_several_replicas_warn_at_mirror(two: mirrored.MirroredStrategy
+                                                          ) -> None:
+    # Each copy's hook runs on its replica's local gradient: a clamp there trained
+    # another model than one device (0.29 off), with no word.
+    with pytest.warns(mirrored.GradientHookWarning, match=r"parameter 'linear\.0\.weight' "
+                                                          r"\(and 3 more\) has gradient hooks.*"
+                                                          r"step\(clip_grad_value=c\)") as got:
+        two.mirror(Clamped(lambda g: g.clamp(-1e-3, 1e-3)))
+    assert got[0].filename == __file__  # (the user's line)
+    one = mirrored.MirroredStrategy(["CPU:0"])
+    try:
+        one.mirror(Clamped(lambda g: g.clamp(-1e-3, 1e-3)))  # one replica: the whole batch's
+    finally:
+        one.close()

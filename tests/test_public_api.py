@@ -18,6 +18,7 @@ EXPECTED = {
     "MirroredOptimizer",
     "ReplicaDivergenceError",
     "LossScalingWarning",
+    "GradientHookWarning",
     "PreemptionCheckpointHandler",
     "TerminationConfig",
     "StartupError",

@@ -29,6 +29,7 @@ from ._src.data import InputOptions as InputOptions
 from ._src.data import InputReplicationMode as InputReplicationMode
 from ._src.errors import CollectiveMismatchError as CollectiveMismatchError
 from ._src.errors import CollectiveTimeoutError as CollectiveTimeoutError
+from ._src.errors import GradientHookWarning as GradientHookWarning
 from ._src.errors import LossScalingWarning as LossScalingWarning
 from ._src.errors import MirroredError as MirroredError
 from ._src.errors import ReplicaDivergenceError as ReplicaDivergenceError
@@ -71,6 +72,7 @@ __all__ = [
     "MirroredModule",
     "MirroredOptimizer",
     "ReplicaDivergenceError",
+    "GradientHookWarning",
     "LossScalingWarning",
     "PreemptionCheckpointHandler",
     "TerminationConfig",

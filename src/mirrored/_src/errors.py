@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
+    "GradientHookWarning",
     "LossScalingWarning",
     "MirroredError",
     "ReplicaAbortedError",
@@ -79,3 +80,14 @@ class LossScalingWarning(UserWarning):
     device. A loss already divided by the global batch size is right: silence this
     with
     ``warnings.filterwarnings("ignore", category=mirrored.LossScalingWarning)``."""
+
+
+class GradientHookWarning(UserWarning):
+    """A module given to ``mirror`` on several replicas has parameters with gradient
+    hooks (``Tensor.register_hook``). Each copy's hook runs on its replica's local
+    gradient, before the step's all-reduce sums them, where on one device it runs on
+    the whole batch's: a hook linear in the gradient (``g * s``) gives one device's
+    result, any other (``g.clamp(-c, c)``, ``g.sign()``, a normalisation) trains
+    another model. Clip with ``optimizer.step(clip_grad_value=c)`` or
+    ``step(clip_grad_norm=c)`` instead; for linear hooks, silence this with
+    ``warnings.filterwarnings("ignore", category=mirrored.GradientHookWarning)``."""

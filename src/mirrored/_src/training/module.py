@@ -29,7 +29,7 @@ from .batch_norm import convert_batch_norm
 from .carry import hook_outputs, skip_in_dynamo
 from .copies import CopiesModule
 from .plain_optimizer import register_copies
-from .structure import CHANGES, copy_to, watch
+from .structure import CHANGES, copy_to, warn_gradient_hooks, watch
 
 if TYPE_CHECKING:
     from mirrored import ReplicaContext, Strategy
@@ -386,6 +386,8 @@ def mirror(strategy: Strategy, module: nn.Module, *,
     devices = [parse_device(name).torch_device for name in strategy.extended.worker_devices]
     if sync_batch_norm:
         module = convert_batch_norm(module)
+    if strategy.num_replicas_in_sync > 1:
+        warn_gradient_hooks(module)
     copies = [module.to(devices[0])]
     for device in devices[1:]:
         copies.append(copy_to(module, device))

@@ -4,17 +4,16 @@ in lockstep on all-reduced gradients.
 ``step()`` (in every replica, inside ``strategy.run``) makes ONE all-reduce (SUM) of
 the replica's gradients, a presence flag per parameter, the copies' fingerprints
 (`check`), the BatchNorm running statistics to average and the other buffers
-(`buffers`); the collective packs them per dtype into few transfers. Every replica
-then assigns the reduced gradients (views of the packed result, no copy), compares
-the fingerprints, optionally clips the gradients by their global norm, copies
-replica 0's hyper-parameters into its own optimizer and steps it. The reduced values
-are bitwise identical on every replica, so the copies stay bitwise equal.
+(`buffers`), packed per dtype into few transfers. Every replica then assigns the
+reduced gradients (views of the packed result, no copy), compares the fingerprints,
+optionally clips the gradients by their global norm, copies replica 0's
+hyper-parameters into its own optimizer and steps it. The reduced values are bitwise
+identical on every replica, so the copies stay bitwise equal.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -24,10 +23,11 @@ from torch import nn
 
 from .. import context
 from ..errors import ReplicaDivergenceError
-from . import amp, direct
+from . import amp, clipping, direct
 from . import overlap as _overlap
 from .buffers import BUFFER_RULES, BufferRule
-from .check import CHECKS, STEPS, Check, GradientWatch, discarded_message
+from .check import CHECKS, STEPS, Check, discarded_message
+from .gradient_watch import GradientWatch
 from .hyper import StepHyperParameters
 from .module import MirroredModule, as_mirrored_module, replica_index, replica_of
 from .plain_optimizer import refuse_scheduler, trust
@@ -127,7 +127,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
         return self._module
 
     def step(self, closure: Callable[[], Any] | None = None, *,
-             clip_grad_norm: float | None = None) -> Any:
+             clip_grad_norm: float | None = None, clip_grad_value: float | None = None) -> Any:
         """All-reduces the gradients (SUM) and steps this replica's optimizer.
 
         Call it in every replica, inside ``strategy.run``, after ``backward()``. With
@@ -141,20 +141,24 @@ class MirroredOptimizer(torch.optim.Optimizer):
             clip_grad_norm: if given, the reduced gradients are scaled so their global
                 2-norm is at most this (``clip_grad_norm_`` on the reduced gradients;
                 Keras' ``global_clipnorm``).
+            clip_grad_value: if given, the reduced gradients are clamped to
+                ``[-clip_grad_value, clip_grad_value]`` (``clip_grad_value_``; after
+                the norm's clipping when both are given).
 
         Returns:
             The closure's result, or ``None``.
 
         Raises:
             RuntimeError: called outside ``run`` of the module's strategy.
-            ValueError: a bad ``clip_grad_norm``; replicas' ``global_batch_size``s differ.
+            ValueError: a bad ``clip_grad_*``; replicas' ``global_batch_size``s differ.
             ReplicaDivergenceError: the copies differ, or a gradient was changed in
                 place after ``backward()`` on some replica (see ``check``).
         """
         # torch's step hooks (but the plain-optimizer guard) run in every replica, if any.
         hooked = direct.hooked(self)
         if hooked:
-            args, kwargs = (self, closure), {"clip_grad_norm": clip_grad_norm}
+            args, kwargs = (self, closure), {"clip_grad_norm": clip_grad_norm,
+                                             "clip_grad_value": clip_grad_value}
             for pre in (*direct.GLOBAL_PRE_HOOKS.values(),
                         *self._optimizer_step_pre_hooks.values()):
                 pre(self, args, kwargs)
@@ -162,24 +166,21 @@ class MirroredOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._step(clip_grad_norm)
+        self._step(clip_grad_norm, clip_grad_value)
         if hooked:
             for post in (*self._optimizer_step_post_hooks.values(),
                          *direct.GLOBAL_POST_HOOKS.values()):
                 post(self, args, kwargs)
         return loss
 
-    def _step(self, clip_grad_norm: float | None) -> None:
+    def _step(self, clip_grad_norm: float | None, clip_grad_value: float | None) -> None:
         STEPS[0] += 1  # (`GradientWatch.discards`)
         ctx = context.current_replica_context()  # (replica_of's lookup, inlined)
         r = None if ctx is None else self._known.get(ctx)
         if ctx is None or r is None:
             ctx, r = replica_of(self._strategy, "MirroredOptimizer.step")
-        if clip_grad_norm is not None and (
-                isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, int | float)
-                or not clip_grad_norm > 0 or math.isinf(clip_grad_norm)):
-            raise ValueError(f"clip_grad_norm must be a positive finite number or None; "
-                             f"got {clip_grad_norm!r}")
+        if clip_grad_norm is not None or clip_grad_value is not None:
+            clipping.validate(clip_grad_norm, clip_grad_value)
         params, optimizer, reducer = self._params[r], self._optimizers[r], self._reducer
         if not reducer.reduced[r]:
             self._settle(ctx, r)
@@ -190,8 +191,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
             return
         if r:  # replica 0's, as its step() found them (it may have changed them since)
             self._hyper.take(r, reducer.seq[r] - 1)
-        if clip_grad_norm is not None:
-            nn.utils.clip_grad_norm_(params, clip_grad_norm)
+        if clip_grad_norm is not None or clip_grad_value is not None:
+            clipping.clip(params, clip_grad_norm, clip_grad_value)
         direct.step(optimizer)  # (its own hooks and ranges if it has any)
         if reducer.carried is not None:  # (a gradient left in .grad counts once: `carry`)
             reducer.carried.record(r)
@@ -204,9 +205,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
                 self._reducer.reduce(ctx, r)
             except BaseException:  # refused or released: zero_grad() then drops the grads
                 if (watch := self._reducer._watch) is not None:
-                    # of every local replica: the run failed as a whole, and a replica's
-                    # backward that reached another's copy may have left records there
-                    # after that replica's own step had failed
+                    # of every local replica: the run failed as a whole, and a backward that
+                    # reached another's copy may have left records there after its step failed
                     watch.clear_all()
                 raise
             return

@@ -35,13 +35,13 @@ from .carry import CarriedGradients, add_kept
 from .check import (
     CHEAP_EVERY,
     Check,
-    GradientWatch,
     compare,
     fingerprint,
     modified_message,
     same_divisors,
     slots_per_tensor,
 )
+from .gradient_watch import GradientWatch
 from .host_sum import HostSum
 from .module import MirroredModule
 from .overlap import GradientBuckets, bucket_plan
@@ -92,7 +92,8 @@ class GradientReducer:
             self._sync[0].refuse_from_first(buffers)
         # On one replica too: the same step raises on 1 replica as on N.
         self._watch = (GradientWatch(params, known=module._known,
-                                     ids=self._parts.topology.replica_ids)
+                                     ids=self._parts.topology.replica_ids,
+                                     measure_every=1 if check == "full" else CHEAP_EVERY)
                        if check != "off" else None)
         self.reduced = [False] * local  # the replica's gradients are all-reduced already
         self.carried = CarriedGradients(params, module._carrying, None if self._watch is None

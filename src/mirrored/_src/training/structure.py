@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -43,6 +44,8 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
 
+from ..collectives.call import user_stacklevel
+from ..errors import GradientHookWarning
 from .plain_optimizer import register_copies
 
 __all__ = ["CHANGES", "LAYOUT", "check_copies", "check_module", "copy_to", "frozen_message",
@@ -80,6 +83,23 @@ def copy_to(module: nn.Module, device: torch.device) -> nn.Module:
         if parametrize.is_parametrized(m):
             _own_parametrized_class(m)
     return other
+
+
+def warn_gradient_hooks(module: nn.Module) -> None:
+    """Warns (`GradientHookWarning`) if parameters of ``module``, mirrored on several
+    replicas, have gradient hooks: each runs on its replica's local gradient."""
+    hooked = [name for name, p in module.named_parameters() if p._backward_hooks]
+    if hooked:
+        more = f" (and {len(hooked) - 1} more)" if len(hooked) > 1 else ""
+        warnings.warn(GradientHookWarning(
+            f"mirror(strategy, module): parameter {hooked[0]!r}{more} has gradient hooks "
+            "(Tensor.register_hook), which run on each replica's local gradient before the "
+            "step's all-reduce, where one device runs them on the whole batch's gradient: "
+            "a hook linear in the gradient (g * s) gives one device's result, any other "
+            "(g.clamp(-c, c), g.sign(), a normalisation) trains a different model. Clip "
+            "with optimizer.step(clip_grad_value=c) or step(clip_grad_norm=c) instead; for "
+            "linear hooks, silence this with warnings.filterwarnings('ignore', "
+            "category=mirrored.GradientHookWarning)"), stacklevel=user_stacklevel())
 
 
 def _own_parametrized_class(module: nn.Module) -> None:

@@ -104,6 +104,9 @@ class Parts:
     (several workers only; ``None``: none, ``compute_average_loss`` counts);
     ``count_calls[i]``: local replica ``i``'s ``compute_average_loss`` calls without a
     size in the current run (several workers: reset when a run starts).
+    ``run_args[0]``: the current ``run``'s per-replica arguments (its ``ReplicaArgs``,
+    ``None`` for none): a mirrored optimizer's step leaves a replica whose batch is
+    empty out of the buffers' average (`buffers.BufferSync`).
     ``models[0]``: the modules mirrored on this strategy so far; each takes the next
     number, which names its optimizers' step calls (a fixed job's workers mirror them
     in the same order: ``mirror`` starts each from the chief's values, a collective;
@@ -123,6 +126,7 @@ class Parts:
     step_examples: list[Any] = dataclasses.field(init=False)
     count_calls: list[int] = dataclasses.field(init=False)
     models: list[int] = dataclasses.field(init=False)
+    run_args: list[Any] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "loss_divisors", [0] * self.topology.num_local_replicas)
@@ -131,6 +135,7 @@ class Parts:
         object.__setattr__(self, "step_examples", [None])
         object.__setattr__(self, "count_calls", [0] * self.topology.num_local_replicas)
         object.__setattr__(self, "models", [0])
+        object.__setattr__(self, "run_args", [None])
 
     def next_model(self) -> int:
         """The number of a module mirrored now (`models`)."""

@@ -70,6 +70,7 @@ def run(strategy: Any, parts: Parts, contexts: Sequence[Any], fn: Callable[..., 
         if any(counted := parts.count_calls):
             counted[:] = [0] * len(counted)
     call = context.replica_calls(strategy, contexts, fn, replica_args)
+    parts.run_args[0] = replica_args
     if any(divisors := parts.loss_divisors):  # (an evaluation's: no all-reduce used them)
         divisors[:] = [0] * len(divisors)
     cluster = parts.cluster

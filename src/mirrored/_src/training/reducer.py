@@ -30,7 +30,7 @@ from ..collectives.call import call_site, user_stacklevel
 from ..errors import LossScalingWarning, ReplicaDivergenceError
 from ..reduce_op import ReduceOp
 from ..runtime.contract import Arrival, CallSpec
-from .buffers import BufferRule, BufferSync, other_buffers
+from .buffers import BufferRule, BufferSync, batch_weight, other_buffers
 from .carry import CarriedGradients, add_kept
 from .check import (
     CHEAP_EVERY,
@@ -242,7 +242,7 @@ class GradientReducer:
             watched = [*params, *(t for _, t in sync.fingerprinted())]
             fingerprint(watched, self._check, meta[n + g * width:n + (g + 1) * width])
         stats = self._stats[r]
-        sends = sync.send(g)
+        sends = sync.send(g, batch_weight(self._parts.run_args[0], r)) if sync.owners else []
         live: int | None = None  # elastic: the replicas of the step
         if buckets is None:
             leaves = [*grads, meta, *stats, *sends]

@@ -33,6 +33,7 @@ from ..comm.buffers import default_pool
 from ..devices import current_device
 from ..errors import ReplicaAbortedError
 from ..topology import Topology
+from . import compiled_kernels
 from .contract import Arrival, CollectiveFailure
 from .executor import Executor, ReplicaAbandoned, ReplicaFailure
 from .random import RandomStreams, drop_stale_modes
@@ -109,6 +110,8 @@ class ThreadRuntime:
         self._straggler_wait = timeout_seconds or GRACE_SECONDS
         self._local = threading.local()  # .generation: the run a replica thread serves
         self._split_threads = self._n > 1 and all(d.kind == "CPU" for d in topology.devices)
+        if self._split_threads:  # (compiled steps' CPU kernels: see compiled_kernels.py)
+            compiled_kernels.release_gil()
         self._host_only = all(d == _HOST for d in topology.torch_devices)
         self._baton = self._split_threads and timeout_seconds is None
         self._streams = RandomStreams(topology.replica_ids) if (

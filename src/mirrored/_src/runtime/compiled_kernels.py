@@ -1,0 +1,121 @@
+"""Inductor's CPU kernels called without the GIL, so replicas' compiled steps overlap.
+
+``torch.compile`` turns a graph on CPU tensors into C++ kernels that Inductor calls
+through a small CPython binding (``CppPythonBindingsCodeCache`` in
+``torch._inductor.codecache``). That binding keeps the GIL for the kernel's whole
+run. An eager op releases it, so two replica threads' eager steps share the two
+cores; their compiled steps ran one kernel at a time. On the benchmark's 2-block
+GPT (``benchmarks/bench_random.py``, 2 replicas, 2 cores) the compiled step took
+1.37x the eager one, and 1.24x plain torch's compiled step on the same two batches;
+with the kernels called without the GIL, 1.03x and 0.86x.
+
+The binding's call is one format string on the class. :func:`release_gil` replaces
+it with one that parses the arguments with the GIL held (they are Python objects),
+then calls the kernel without it and takes it back on return or on an exception
+(a C++ guard object). A kernel is C++ over data pointers (loops, OpenMP, Inductor's
+own random numbers), with no Python in it. The C++ wrapper mode
+(``CppWrapperCodeCache``, which builds Python results) keeps its own string, and
+so does any other subclass that inherits the original.
+
+It is applied once per process, when the first runtime of several CPU replicas is
+made: at once if Inductor's code cache is already imported, otherwise when it is
+(an import hook that removes itself), so the library never imports Inductor. Only
+kernels built after that release the GIL; the changed source gives them other cache
+keys than kernels built before. A torch whose string differs from the one this was
+written for is left as it is (``state()`` says which).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+import threading
+from collections.abc import Sequence
+from types import ModuleType
+
+__all__ = ["release_gil", "state"]
+
+_MODULE = "torch._inductor.codecache"
+_ORIGINAL = "kernel({}); Py_RETURN_NONE;"
+# The arguments are evaluated (parse_arg, under the GIL) before the lambda's body runs;
+# the guard releases the GIL for the kernel and restores it on the way out.
+_WITHOUT_GIL = (
+    "{{ struct MirroredReleasedGil {{ PyThreadState* state = PyEval_SaveThread(); "
+    "~MirroredReleasedGil() {{ PyEval_RestoreThread(state); }} }}; "
+    "[](auto... arg) {{ MirroredReleasedGil released; kernel(arg...); }}({}); }} "
+    "Py_RETURN_NONE;")
+
+_lock = threading.Lock()
+_state = "not applied"
+
+
+def state() -> str:
+    """``"not applied"``, ``"waiting for import"``, ``"applied"`` or
+    ``"unrecognised"`` (this torch's binding is not the one expected: left as is)."""
+    return _state
+
+
+def release_gil() -> None:
+    """Makes Inductor's CPU kernels built from now on run without the GIL.
+
+    Idempotent; never imports Inductor (see the module docstring).
+
+    Example:
+        >>> from mirrored._src.runtime import compiled_kernels
+        >>> compiled_kernels.release_gil()
+        >>> compiled_kernels.state() in ("applied", "waiting for import", "unrecognised")
+        True
+    """
+    global _state
+    with _lock:
+        if _state != "not applied":
+            return
+        module = sys.modules.get(_MODULE)
+        if module is not None:
+            _state = _patch(module)
+        else:
+            sys.meta_path.insert(0, _PatchOnImport())
+            _state = "waiting for import"
+
+
+def _patch(module: ModuleType) -> str:
+    cls = getattr(module, "CppPythonBindingsCodeCache", None)
+    if cls is None or getattr(cls, "call_entry_function", None) != _ORIGINAL:
+        return "unrecognised"
+    for sub in cls.__subclasses__():  # (those inheriting the string keep the original)
+        if "call_entry_function" not in vars(sub):
+            sub.call_entry_function = _ORIGINAL
+    cls.call_entry_function = _WITHOUT_GIL
+    return "applied"
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Finds Inductor's code cache with the other finders and patches it once it is
+    executed; removes itself from ``sys.meta_path`` at that first import."""
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != _MODULE:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        loader = spec.loader if spec is not None else None
+        if loader is None or not hasattr(loader, "exec_module"):
+            _set_state("unrecognised")
+            return spec
+        execute = loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            execute(module)
+            _set_state(_patch(module))
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def _set_state(value: str) -> None:
+    global _state
+    with _lock:
+        _state = value

@@ -1,0 +1,88 @@
+"""Inductor's CPU kernels called without the GIL once a runtime of several CPU replicas
+exists (``runtime/compiled_kernels.py``): the import hook in a fresh interpreter, the
+compiled results against eager on every replica, a kernel's C++ exception brought back
+with the GIL held, and a torch whose binding is not the expected one left alone."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+
+from mirrored._src.runtime import compiled_kernels
+
+FRESH = textwrap.dedent("""
+    import sys, torch, mirrored
+    from mirrored._src.runtime import compiled_kernels as ck
+    assert "torch._inductor.codecache" not in sys.modules
+    assert ck.state() == "not applied", ck.state()
+    mirrored.MirroredStrategy(["CPU:0"])  # one replica: nothing to overlap
+    assert ck.state() == "not applied", ck.state()
+    s = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    assert ck.state() == "waiting for import", ck.state()
+    assert "torch._inductor.codecache" not in sys.modules  # the library never imports it
+    f = torch.compile(lambda x: (x.sin() * 2 + x.cos()).sum(0))
+    from torch._inductor.codecache import CppPythonBindingsCodeCache, CppWrapperCodeCache
+    assert ck.state() == "applied", ck.state()
+    assert "PyEval_SaveThread" in CppPythonBindingsCodeCache.call_entry_function
+    assert "PyEval_SaveThread" not in CppWrapperCodeCache.call_entry_function
+    assert not any(isinstance(f, ck._PatchOnImport) for f in sys.meta_path)
+    x = torch.randn(64, 33, dtype=torch.float64)
+    got = s.experimental_local_results(
+        s.run(lambda: f(x * (mirrored.get_replica_context().replica_id_in_sync_group + 1))))
+    want = [(x * k).sin() * 2 + (x * k).cos() for k in (1, 2)]
+    assert all(torch.allclose(g, w.sum(0)) for g, w in zip(got, want)), got
+    div = torch.compile(lambda a, b: a // b)
+    a, b = torch.arange(10), torch.zeros(10, dtype=torch.long)
+    try:
+        s.run(lambda: div(a, b))
+    except RuntimeError as e:
+        assert "ZeroDivisionError" in str(e), e
+    else:
+        raise AssertionError("no error from an integer division by zero")
+    assert torch.equal(div(a, b + 3), a // 3)  # the process goes on, GIL held
+    print("ok")
+""")
+
+
+@pytest.mark.timeout(300)
+def test_kernels_built_after_a_multi_replica_runtime_release_the_gil() -> None:
+    done = subprocess.run([sys.executable, "-c", FRESH], capture_output=True, text=True,
+                          timeout=280)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_a_binding_of_another_shape_is_left_alone() -> None:
+    class Binding:
+        call_entry_function = "return kernel({});"
+
+    module = types.ModuleType("fake")
+    module.CppPythonBindingsCodeCache = Binding  # type: ignore[attr-defined]
+    assert compiled_kernels._patch(module) == "unrecognised"
+    assert Binding.call_entry_function == "return kernel({});"
+    assert compiled_kernels._patch(types.ModuleType("empty")) == "unrecognised"
+
+
+def test_subclasses_that_inherit_the_string_keep_the_original() -> None:
+    class Binding:
+        call_entry_function = compiled_kernels._ORIGINAL
+
+    class Inherits(Binding):
+        pass
+
+    class Own(Binding):
+        call_entry_function = "own({});"
+
+    module = types.ModuleType("fake")
+    module.CppPythonBindingsCodeCache = Binding  # type: ignore[attr-defined]
+    assert compiled_kernels._patch(module) == "applied"
+    assert Binding.call_entry_function == compiled_kernels._WITHOUT_GIL
+    assert Inherits.call_entry_function == compiled_kernels._ORIGINAL
+    assert Own.call_entry_function == "own({});"
+    # the string formats into C++ that parses the arguments before releasing the GIL
+    call = Binding.call_entry_function.format("parse_arg<float*>(args, 0)")
+    assert call.index("parse_arg") > call.index("kernel(arg...)")
+    assert call.index("PyEval_SaveThread") < call.index("kernel(arg...)")

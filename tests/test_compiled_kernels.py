@@ -1,17 +1,25 @@
-"""Inductor's CPU kernels called without the GIL once a runtime of several CPU replicas
+"""Compiled functions on logical CPU replicas.
+
+Inductor's CPU kernels called without the GIL once a runtime of several CPU replicas
 exists (``runtime/compiled_kernels.py``): the import hook in a fresh interpreter, the
 compiled results against eager on every replica, a kernel's C++ exception brought back
-with the GIL held, and a torch whose binding is not the expected one left alone."""
+with the GIL held, and a torch whose binding is not the expected one left alone. A
+function compiled by the first replica to call it is compiled once, not once per
+replica (``runtime/watchdog.py`` keeps the baton while Dynamo compiles)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 import types
 
 import pytest
+import torch
 
+import mirrored
 from mirrored._src.runtime import compiled_kernels
 
 FRESH = textwrap.dedent("""
@@ -86,3 +94,30 @@ def test_subclasses_that_inherit_the_string_keep_the_original() -> None:
     call = Binding.call_entry_function.format("parse_arg<float*>(args, 0)")
     assert call.index("parse_arg") > call.index("kernel(arg...)")
     assert call.index("PyEval_SaveThread") < call.index("kernel(arg...)")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_function_is_compiled_once_for_all_replicas(n: int) -> None:
+    compiles = []
+
+    def slow_backend(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> object:
+        compiles.append(threading.current_thread().name)
+        time.sleep(0.2)  # a compile that outlasts the watchdog's look (10 ms)
+        return gm.forward
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return (x * 2).sin().sum()
+
+    compiled = torch.compile(fn, backend=slow_backend)
+    strategy = mirrored.MirroredStrategy([f"CPU:{i}" for i in range(n)])
+    x = torch.randn(8, 3)
+
+    def step() -> torch.Tensor:
+        k = mirrored.get_replica_context().replica_id_in_sync_group
+        return compiled(x + k)
+
+    for _ in range(2):
+        got = strategy.experimental_local_results(strategy.run(step))
+        assert all(torch.allclose(g, fn(x + k)) for k, g in enumerate(got))
+    assert len(compiles) == 1, compiles  # (one compile per replica before)

@@ -5,7 +5,8 @@ start or resume only when it waits at a collective or returns. A replica that
 blocks on anything else (a ``threading.Barrier`` shared by the replicas, a queue
 another replica fills, a long computation) would keep the others from running.
 The watchdog thread looks at the run every `TICK` seconds; when the baton has not
-changed hands since its previous look, it makes the run concurrent (every
+changed hands since its previous look (and no thread is compiling with Dynamo,
+`_compiling`), it makes the run concurrent (every
 replica runs on its thread, as in a run without baton), so such a run completes,
 just later. A replica function is therefore never able to hang because of the
 baton, whatever it waits on.
@@ -18,6 +19,7 @@ about one wake-up per `TICK` while baton runs follow each other.
 from __future__ import annotations
 
 import _thread
+import sys
 import threading
 from collections.abc import Callable
 
@@ -73,7 +75,7 @@ class Watchdog:
                 in_flight, progress = self._state()
                 if in_flight:
                     idle = 0
-                    if progress == last:
+                    if progress == last and not _compiling():
                         self._stalled()
                         last = None
                     else:
@@ -100,3 +102,22 @@ class Watchdog:
             self._wake.release()
         if thread is not threading.current_thread():
             thread.join(timeout)
+
+
+def _compiling() -> bool:
+    """Whether some thread holds Dynamo's compile lock (never imports Dynamo).
+
+    A replica compiling a function (``torch.compile``'s first call) does not end the
+    baton: the others would enter the same function while the cache is still empty
+    and each compile it again (Dynamo takes the cache entry before its lock), each
+    counting towards its recompile limit (8 replicas made 8 compiles: the limit).
+    Run after it, they find the compiled code."""
+    convert_frame = sys.modules.get("torch._dynamo.convert_frame")
+    lock = getattr(convert_frame, "compile_lock", None)
+    if lock is None:
+        return False
+    if not lock.acquire(blocking=False):
+        return True
+    lock.release()
+    return False
+

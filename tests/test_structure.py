@@ -205,7 +205,8 @@ def _imports(path):
 
 # The layers, bottom to top: a module may import only from its own layer or below.
 LAYERS = [
-    {"errors", "reduce_op", "options", "devices", "pytree", "values", "reduction", "topology"},
+    {"errors", "reduce_op", "options", "devices", "pytree", "values", "reduction", "topology",
+     "lazy_torch"},
     {"comm", "cluster"},
     {"runtime"},
     {"context"},

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from . import context
+from .lazy_torch import skip_in_dynamo
 from .values import StepExamples
 
 __all__ = ["compute_average_loss", "scale_regularization_loss"]
@@ -126,6 +127,13 @@ def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = 
     # the int is bitwise the division by the count as a tensor of total's dtype.
     average: torch.Tensor = total / replica._sum_examples(rows, note)
     return average
+
+
+# Eager under torch.compile (one graph break in the caller's frame): traced, its
+# bookkeeping (a per-replica call count, the divisors compared at the step, the example
+# count's exchange) made Dynamo guard on values that change every step, so a compiled
+# loss function was compiled again at every step until the recompile limit.
+skip_in_dynamo(compute_average_loss, inside=True)
 
 
 def scale_regularization_loss(regularization_loss: Any) -> torch.Tensor:

@@ -19,7 +19,7 @@ so does any other subclass that inherits the original.
 
 It is applied once per process, when the first runtime of several CPU replicas is
 made: at once if Inductor's code cache is already imported, otherwise when it is
-(an import hook that removes itself), so the library never imports Inductor. Only
+(``lazy_torch.when_imported``), so the library never imports Inductor. Only
 kernels built after that release the GIL; the changed source gives them other cache
 keys than kernels built before. A torch whose string differs from the one this was
 written for is left as it is (``state()`` says which).
@@ -27,12 +27,10 @@ written for is left as it is (``state()`` says which).
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import sys
 import threading
-from collections.abc import Sequence
 from types import ModuleType
+
+from ..lazy_torch import when_imported
 
 __all__ = ["release_gil", "state"]
 
@@ -71,51 +69,18 @@ def release_gil() -> None:
     with _lock:
         if _state != "not applied":
             return
-        module = sys.modules.get(_MODULE)
-        if module is not None:
-            _state = _patch(module)
-        else:
-            sys.meta_path.insert(0, _PatchOnImport())
-            _state = "waiting for import"
+        _state = "waiting for import"
+    when_imported(_MODULE, _patch)
 
 
-def _patch(module: ModuleType) -> str:
+def _patch(module: ModuleType) -> None:
+    global _state
     cls = getattr(module, "CppPythonBindingsCodeCache", None)
     if cls is None or getattr(cls, "call_entry_function", None) != _ORIGINAL:
-        return "unrecognised"
+        _state = "unrecognised"
+        return
     for sub in cls.__subclasses__():  # (those inheriting the string keep the original)
         if "call_entry_function" not in vars(sub):
             sub.call_entry_function = _ORIGINAL
     cls.call_entry_function = _WITHOUT_GIL
-    return "applied"
-
-
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds Inductor's code cache with the other finders and patches it once it is
-    executed; removes itself from ``sys.meta_path`` at that first import."""
-
-    def find_spec(self, fullname: str, path: Sequence[str] | None,
-                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname != _MODULE:
-            return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
-        loader = spec.loader if spec is not None else None
-        if loader is None or not hasattr(loader, "exec_module"):
-            _set_state("unrecognised")
-            return spec
-        execute = loader.exec_module
-
-        def exec_module(module: ModuleType) -> None:
-            execute(module)
-            _set_state(_patch(module))
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
-
-
-def _set_state(value: str) -> None:
-    global _state
-    with _lock:
-        _state = value
+    _state = "applied"

@@ -42,7 +42,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CarriedGradients", "add_kept", "hook_outputs", "skip_in_dynamo"]
+from ..lazy_torch import skip_in_dynamo
+
+__all__ = ["CarriedGradients", "add_kept", "hook_outputs"]
 
 _Left = list[tuple[Any, int] | None]  # per parameter: (weakref to .grad, its version)
 
@@ -262,23 +264,7 @@ _VIEWS = (" Here a step's gradients are views of one buffer, which share one ver
           "clear one parameter's gradient with p.grad = None.")
 
 
-def skip_in_dynamo(code: Any, *, inside: bool = False) -> None:
-    """Dynamo skips the frame of ``code`` and compiles what it calls, or runs all of
-    that eagerly too (``inside``). Through torch's C extension: importing
-    ``torch._dynamo`` takes seconds. Older torch without it traces the frames."""
-    try:
-        from torch._C._dynamo.eval_frame import (
-            _FrameAction,
-            _FrameExecStrategy,
-            set_code_exec_strategy,
-        )
-    except ImportError:  # pragma: no cover
-        return
-    inner = _FrameAction.SKIP if inside else _FrameAction.DEFAULT
-    set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, inner))
-
-
 # (eager code between compiled frames: nothing here is traced)
-skip_in_dynamo(hook_outputs.__code__, inside=True)
-skip_in_dynamo(_tensors.__code__, inside=True)
-skip_in_dynamo(_Starts.__call__.__code__, inside=True)
+skip_in_dynamo(hook_outputs, inside=True)
+skip_in_dynamo(_tensors, inside=True)
+skip_in_dynamo(_Starts.__call__, inside=True)

@@ -8,8 +8,7 @@ Any other thread is refused. The ``nn.Module`` members are in `CopiesModule`;
 here are the lookup (one dict probe on the hot path), attribute delegation,
 pickling as replica 0's plain module, ``torch.compile`` before and after
 `mirror`, and the BatchNorm statistics a mirrored optimizer averages after each
-step (the other buffers follow ``mirror_optimizer(buffers=)``).
-"""
+step (the other buffers follow ``mirror_optimizer(buffers=)``)."""
 
 from __future__ import annotations
 
@@ -25,8 +24,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import context
 from ..devices import parse_device
+from ..lazy_torch import skip_in_dynamo
 from .batch_norm import convert_batch_norm
-from .carry import hook_outputs, skip_in_dynamo
+from .carry import hook_outputs
 from .copies import CopiesModule
 from .plain_optimizer import register_copies
 from .structure import CHANGES, copy_to, warn_gradient_hooks, watch
@@ -290,14 +290,14 @@ _OWN = frozenset({"_strategy", "_devices", "_calls", "_sync_batch_norm",
 
 
 def _run_copy(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """Calls one copy. Under ``torch.compile(mirrored_model)`` this is the frame dynamo
-    compiles (``MirroredModule.__call__`` is skipped, and torch's own module frames
-    are only traced from a compiled frame): its guards name that copy alone, so each
-    copy has its own compile cache budget, and no library bookkeeping is traced."""
+    """Calls one copy. Under ``torch.compile`` this is the frame dynamo compiles
+    (``MirroredModule.__call__`` is skipped, and a compiled function calling the model
+    breaks its graph there): its guards name that copy alone, so each copy has its own
+    compile cache budget, and no library bookkeeping is traced."""
     return module(*args, **kwargs)
 
 
-skip_in_dynamo(MirroredModule.__call__.__code__)
+skip_in_dynamo(MirroredModule.__call__)
 
 
 def _compiled_wrapper(module: nn.Module) -> Any:

@@ -335,6 +335,41 @@ def test_a_replica_with_an_empty_batch_is_left_out_of_the_buffers_average(
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_replica_with_an_empty_batch_is_left_out_of_the_batch_norm_average(
+        two: mirrored.MirroredStrategy, overlap: bool) -> None:
+    # torch leaves an empty batch's running statistics as they were; averaged in, the
+    # statistics moved half as far as one device's (here, where one replica has every
+    # row, its batch statistics and so its gradients are one device's exactly).
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)).double()
+
+    model = two.mirror(make())
+    opt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1), overlap=overlap)
+    reference = make()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = mirrored.compute_average_loss((model(x).squeeze(1) - y) ** 2)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    x, y = data()
+    for rows in ([4, 0], [0, 3], [2, 0], [0, 5]):
+        xs, ys = x[:sum(rows)], y[:sum(rows)]
+        two.run(step, args=(mirrored.PerReplica(list(xs.split(rows))),
+                            mirrored.PerReplica(list(ys.split(rows)))))
+        ref_opt.zero_grad()
+        ((reference(xs).squeeze(1) - ys) ** 2).mean().backward()
+        ref_opt.step()
+    for copy_ in model.replicas:
+        for a, b in zip(copy_.state_dict().values(), reference.state_dict().values(),
+                        strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_make_optimizer_gets_a_list_for_decay_groups(two: mirrored.MirroredStrategy) -> None:
     def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
         decay = [p for p in params if p.dim() >= 2]

@@ -32,7 +32,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["BUFFER_RULES", "BufferRule", "BufferSync", "batch_weight", "other_buffers"]
+__all__ = ["BUFFER_RULES", "BufferRule", "BufferSync", "batch_weight", "other_buffers",
+           "take_statistics", "weighted_statistics"]
 
 BufferRule = Literal["average", "broadcast", "off"]
 BUFFER_RULES: tuple[BufferRule, ...] = ("average", "broadcast", "off")
@@ -154,3 +155,29 @@ def batch_weight(run_args: object, r: int) -> int:
             if isinstance(item, torch.Tensor):
                 return 0 if item.dim() > 0 and item.shape[0] == 0 else 1
     return 1
+
+
+def weighted_statistics(stats: list[torch.Tensor], weight: int) -> list[torch.Tensor]:
+    """A replica's BatchNorm running statistics for the step's SUM, then its weight:
+    zeros and 0 if its batch was empty (torch leaves the statistics of an empty batch
+    as they were, so averaging them in took a fraction of the others' update)."""
+    if not stats:
+        return []
+    sent = stats if weight else [torch.zeros_like(t) for t in stats]
+    return [*sent, torch.tensor([float(weight)], dtype=stats[0].dtype, device=stats[0].device)]
+
+
+def take_statistics(stats: list[torch.Tensor], sums: Sequence[torch.Tensor]) -> None:
+    """Copies the mean over the replicas that had rows into ``stats`` (unchanged when
+    none had); ``sums``: `weighted_statistics` summed over the replicas."""
+    *totals, weights = sums
+    with torch.no_grad():
+        if weights.is_cpu:
+            total = weights.item()
+            if total > 0:
+                torch._foreach_div_(totals, total)
+                torch._foreach_copy_(stats, totals)
+        else:  # (no device sync: chosen on the device)
+            for t, value in zip(stats, totals, strict=True):
+                t.copy_(torch.where(weights > 0, value / weights, t))
+

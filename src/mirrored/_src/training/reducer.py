@@ -30,7 +30,14 @@ from ..collectives.call import call_site, user_stacklevel
 from ..errors import LossScalingWarning, ReplicaDivergenceError
 from ..reduce_op import ReduceOp
 from ..runtime.contract import Arrival, CallSpec
-from .buffers import BufferRule, BufferSync, batch_weight, other_buffers
+from .buffers import (
+    BufferRule,
+    BufferSync,
+    batch_weight,
+    other_buffers,
+    take_statistics,
+    weighted_statistics,
+)
 from .carry import CarriedGradients, add_kept
 from .check import (
     CHEAP_EVERY,
@@ -241,8 +248,10 @@ class GradientReducer:
         if width:
             watched = [*params, *(t for _, t in sync.fingerprinted())]
             fingerprint(watched, self._check, meta[n + g * width:n + (g + 1) * width])
-        stats = self._stats[r]
-        sends = sync.send(g, batch_weight(self._parts.run_args[0], r)) if sync.owners else []
+        weight = (batch_weight(self._parts.run_args[0], r)
+                  if sync.owners or self._stats[r] else 1)  # (0: an empty batch)
+        stats = weighted_statistics(self._stats[r], weight)
+        sends = sync.send(g, weight) if sync.owners else []
         live: int | None = None  # elastic: the replicas of the step
         if buckets is None:
             leaves = [*grads, meta, *stats, *sends]
@@ -283,9 +292,7 @@ class GradientReducer:
         if kept is not None:  # (the last step's gradients left in .grad: `carry`)
             add_kept(params, kept)
         if stats:
-            averaged = reduced[n + 1:n + 1 + len(stats)]
-            torch._foreach_div_(averaged, live or self._num_replicas)
-            torch._foreach_copy_(stats, averaged)
+            take_statistics(self._stats[r], reduced[n + 1:n + 1 + len(stats)])
         if sends:
             sync.num_replicas = live or self._num_replicas
             sync.apply(reduced[n + 1 + len(stats):])

@@ -13,7 +13,11 @@ The binding's call is one format string on the class. :func:`release_gil` replac
 it with one that parses the arguments with the GIL held (they are Python objects),
 then calls the kernel without it and takes it back on return or on an exception
 (a C++ guard object). A kernel is C++ over data pointers (loops, OpenMP, Inductor's
-own random numbers), with no Python in it. The C++ wrapper mode
+own random numbers), with no Python in it. One thing in it is not thread-safe: at its
+start it points a global of its module at a flag on its own stack, for an integer
+division by zero, and clears it at its end; so one kernel runs on one thread at a
+time (a mutex per kernel module), and different kernels run at once, which is where
+two replicas' steps overlap. The C++ wrapper mode
 (``CppWrapperCodeCache``, which builds Python results) keeps its own string, and
 so does any other subclass that inherits the original.
 
@@ -37,11 +41,16 @@ __all__ = ["release_gil", "state"]
 _MODULE = "torch._inductor.codecache"
 _ORIGINAL = "kernel({}); Py_RETURN_NONE;"
 # The arguments are evaluated (parse_arg, under the GIL) before the lambda's body runs;
-# the guard releases the GIL for the kernel and restores it on the way out.
+# the guard releases the GIL for the kernel and restores it on the way out, and a lock
+# per kernel (a static of this module's one binding) keeps two threads out of the same
+# kernel at once: it points a global of its module at a flag on its stack for integer
+# division by zero, so two runs of one kernel would report into each other's frames.
 _WITHOUT_GIL = (
     "{{ struct MirroredReleasedGil {{ PyThreadState* state = PyEval_SaveThread(); "
     "~MirroredReleasedGil() {{ PyEval_RestoreThread(state); }} }}; "
-    "[](auto... arg) {{ MirroredReleasedGil released; kernel(arg...); }}({}); }} "
+    "static std::mutex mirrored_one_at_a_time; "
+    "[](auto... arg) {{ MirroredReleasedGil released; "
+    "std::lock_guard<std::mutex> alone(mirrored_one_at_a_time); kernel(arg...); }}({}); }} "
     "Py_RETURN_NONE;")
 
 _lock = threading.Lock()

@@ -5,6 +5,7 @@ the parameter list; each against a one-device reference."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import time
@@ -973,3 +974,31 @@ def test_gradient_hooks_on_several_replicas_warn_at_mirror(two: mirrored.Mirrore
         one.mirror(Clamped(lambda g: g.clamp(-1e-3, 1e-3)))  # one replica: the whole batch's
     finally:
         one.close()
+
+
+def test_ddp_no_sync_accumulation_runs_as_written(two: mirrored.MirroredStrategy) -> None:
+    model = two.mirror(net())
+    opt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+    reference = net()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = data()
+    halves = [(x[:3], y[:3]), (x[3:], y[3:])]  # two micro-batches of one global batch
+
+    def step(micro: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        opt.zero_grad()
+        for i, (xb, yb) in enumerate(micro):
+            with model.no_sync() if i == 0 else contextlib.nullcontext():
+                loss = mirrored.compute_average_loss((model(xb).squeeze(1) - yb) ** 2,
+                                                     global_batch_size=len(x))
+                loss.backward()
+        opt.step()
+
+    per_replica = mirrored.PerReplica([[(xb[:2], yb[:2]) for xb, yb in halves],
+                                       [(xb[2:], yb[2:]) for xb, yb in halves]])
+    two.run(step, args=(per_replica,))
+    ref_opt.zero_grad()
+    ((reference(x).squeeze(1) - y) ** 2).mean().backward()
+    ref_opt.step()
+    for copy_ in model.replicas:
+        for a, b in zip(copy_.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

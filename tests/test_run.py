@@ -198,3 +198,18 @@ def test_a_run_lock_leaked_by_an_interrupt_is_taken_back_by_its_thread():
     released.start()
     released.join(10)
     assert not released.is_alive()  # another thread can take it: it was released
+
+
+def test_an_error_in_a_step_with_an_empty_batch_says_which_replica_had_none() -> None:
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2"])
+    (batch,) = strategy.experimental_distribute_dataset([torch.ones(2, 2)])  # rows 1, 1, 0
+    with pytest.raises(RuntimeError) as raised:
+        # (torch refuses reshape(-1, 0) of 0 elements: replica 2 raises)
+        strategy.run(lambda x: x.reshape(-1, x.numel() // max(len(x), 1)), args=(batch,))
+    notes = " ".join(getattr(raised.value, "__notes__", []))
+    assert "the batch of replica 2 (CPU:2) was empty" in notes, notes
+    assert "replica 0" not in notes.split("was empty")[0].split("the batch of")[-1]
+    (full,) = strategy.experimental_distribute_dataset([torch.ones(3, 2)])
+    with pytest.raises(RuntimeError) as raised:
+        strategy.run(lambda x: x.reshape(-1, 5), args=(full,))  # every replica has rows
+    assert "was empty" not in " ".join(getattr(raised.value, "__notes__", []))

@@ -70,8 +70,13 @@ def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = 
         per_example_loss)
     if loss.dim() == 0:
         raise ValueError("compute_average_loss expects per-example losses with a batch "
-                         f"dimension; got a rank-0 tensor ({loss.item()!r}). Pass loss[None] "
-                         "for a single example, or reduce='none' from your loss function")
+                         f"dimension; got a rank-0 tensor ({loss.item()!r}), already reduced. "
+                         "Ask the loss function for one loss per example "
+                         "(F.cross_entropy(..., reduction='none'), nn.MSELoss(reduction="
+                         "'none')): a mean over this replica's batch cannot be turned into "
+                         "the global batch's mean when the replicas' batches differ in size. "
+                         "(reduce='none' is torch's legacy boolean argument, read as True: it "
+                         "still gives the mean; loss[None] is only right for one example)")
     if not (loss.dtype.is_floating_point or loss.dtype.is_complex):
         loss = loss.to(torch.get_default_dtype())
     total = loss.sum()

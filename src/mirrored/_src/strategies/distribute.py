@@ -13,6 +13,7 @@ import torch
 from .. import context, pytree
 from ..collectives.cross_replica import check_components
 from ..collectives.parts import Parts
+from ..training.buffers import batch_weight
 from ..training.structure import CHANGES, check_copies
 from ..values import (
     DistributedValues,
@@ -77,12 +78,30 @@ def run(strategy: Any, parts: Parts, contexts: Sequence[Any], fn: Callable[..., 
     key = context.run_started(strategy) if cluster is None else run_started(parts)
     try:
         results = parts.runtime.run(call, fn)
+    except Exception as error:
+        _note_empty_batches(error, replica_args, parts.topology.labels)
+        raise
     finally:
         if cluster is None:
             context.run_finished(key)
         else:
             run_finished(parts, key)
     return _regroup(results, parts.topology.device_names)
+
+
+def _note_empty_batches(error: Exception, replica_args: Any, labels: Sequence[str]) -> None:
+    """Adds to a replica's error which replicas had an empty batch in this step (the
+    global batch had fewer rows than replicas): many torch layers raise on 0 rows
+    (packing, reshapes of -1, BatchNorm), where one device never sees an empty batch."""
+    if replica_args is None or len(labels) < 2:
+        return
+    empty = [label for r, label in enumerate(labels) if not batch_weight(replica_args, r)]
+    if empty:
+        error.__notes__ = [*getattr(error, "__notes__", []), (
+            f"in this step the batch of {', '.join(empty)} was empty (0 rows: the global "
+            "batch had fewer examples than there are replicas), which torch layers may "
+            "refuse; make every global batch hold at least one example per replica (drop "
+            "or pad a short last batch), or have the step handle 0 rows")]
 
 
 def _regroup(results: Sequence[Any], names: tuple[str, ...]) -> Any:

@@ -16,6 +16,7 @@ submodules, so ``parameters()`` yields one model's parameters, once.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
 from collections import OrderedDict
@@ -264,6 +265,21 @@ class CopiesModule(nn.Module):
             c.zero_grad(set_to_none)
             for one in carried:
                 one.forget(self._copies.index(c))
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """DDP's ``no_sync``, so a ported accumulation loop runs as it is: nothing to do.
+        A mirrored optimizer all-reduces the gradients at its step only, so backward
+        passes between two steps add up on each replica without communication, which
+        is what ``no_sync`` asks of DDP.
+
+        Example:
+            >>> import torch, mirrored
+            >>> strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> model = strategy.mirror(torch.nn.Linear(2, 1))
+            >>> with model.no_sync():
+            ...     pass
+        """
+        return contextlib.nullcontext()
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
                ) -> CopiesModule:

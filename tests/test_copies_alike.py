@@ -14,6 +14,7 @@ import copy
 import time
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -577,3 +578,48 @@ def test_a_module_assigned_on_the_mirrored_model_keeps_its_gradient_hooks_on_eve
         out = copy_.head(torch.ones(1, 2, dtype=torch.float64)).sum()
         out.backward()
         assert torch.equal(copy_.head.weight.grad, torch.zeros(1, 2, dtype=torch.float64))
+
+
+class Stateful(nn.Module):
+    """Adds the last batch's column sums to the next input until `reset_state`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 2).double()
+        self.state: torch.Tensor | None = None
+        self.phase = "warm"
+
+    def reset_state(self) -> None:
+        self.state, self.phase = None, "fresh"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.state is not None:
+            x = x + self.state
+        self.state = x.detach().sum(0)
+        return self.linear(x) * (2.0 if self.phase == "fresh" else 1.0)
+
+
+def test_a_method_that_resets_plain_state_outside_run_reaches_every_copy() -> None:
+    # It runs on replica 0's copy (outside run the mirrored model reads as that copy);
+    # the others kept their state and phase, silently, before.
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    model = strategy.mirror(Stateful())
+    x = torch.arange(12, dtype=torch.float64).reshape(4, 3)
+    one = [Stateful(), Stateful()]  # one device per replica's stream of rows
+    for c in one:
+        c.load_state_dict(model.replicas[0].state_dict())
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return model(x)
+
+    def compare(out: Any) -> None:
+        for r, c in enumerate(one):
+            torch.testing.assert_close(out.values[r], c(x[2 * r:2 * r + 2]), rtol=0, atol=0)
+
+    compare(strategy.run(step, args=(mirrored.PerReplica([x[:2], x[2:]]),)))
+    model.reset_state()
+    for c in one:
+        c.reset_state()
+    compare(strategy.run(step, args=(mirrored.PerReplica([x[:2], x[2:]]),)))
+    assert [c.phase for c in model.replicas] == ["fresh", "fresh"]
+    assert not torch.equal(model.replicas[0].state, model.replicas[1].state)  # own tensors

@@ -29,7 +29,7 @@ from .batch_norm import convert_batch_norm
 from .carry import hook_outputs
 from .copies import CopiesModule
 from .plain_optimizer import register_copies
-from .structure import CHANGES, copy_to, warn_gradient_hooks, watch
+from .structure import CHANGES, copy_to, expose, warn_gradient_hooks, watch
 
 if TYPE_CHECKING:
     from mirrored import ReplicaContext, Strategy
@@ -160,7 +160,7 @@ class MirroredModule(CopiesModule):
 
     def _exposed(self) -> nn.Module:
         index = self._index()
-        CHANGES[0] += index is None  # (replica 0's insides handed out: the next run checks)
+        expose(self, index is None)  # (replica 0's insides handed out: the next run checks)
         return self._copies[index or 0]
 
     def _targets(self) -> tuple[nn.Module, ...]:
@@ -221,7 +221,7 @@ class MirroredModule(CopiesModule):
             raise AttributeError(name)
         index = self._index()  # (once: methods such as init_hidden are read in every step)
         value = getattr(self._copies[index or 0], name)
-        CHANGES[0] += index is None and not isinstance(value, _PLAIN)  # (as `_exposed`)
+        expose(self, index is None and not isinstance(value, _PLAIN))  # (as `_exposed`)
         return value
 
     def __setattr__(self, name: str, value: Any) -> None:

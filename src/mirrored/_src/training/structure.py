@@ -48,8 +48,8 @@ from ..collectives.call import user_stacklevel
 from ..errors import GradientHookWarning
 from .plain_optimizer import register_copies
 
-__all__ = ["CHANGES", "LAYOUT", "check_copies", "check_module", "copy_to", "frozen_message",
-           "watch"]
+__all__ = ["CHANGES", "LAYOUT", "check_copies", "check_module", "copy_to", "expose",
+           "frozen_message", "watch"]
 
 CHANGES = [0]  # bumped when code outside run may have changed one copy
 LAYOUT = [0]  # bumped when a parameter or module was registered on a copy's module
@@ -206,13 +206,63 @@ def check_module(module: Any, *, full: bool = False) -> None:
                     "it). Assign on the mirrored model itself (copied to every copy), or copy "
                     "the values into each copy (p.copy_(t))")
     mods = module.__dict__["_modules"]  # train / eval set through a submodule: replica 0's
+    seen = module.__dict__.pop("_plain_seen", None)
+    if seen is not None and len(seen) != len(mods[0]):
+        seen = None
     for copy_modules in mods[1:]:
-        for m0, m in zip(mods[0], copy_modules, strict=True):
+        for i, (m0, m) in enumerate(zip(mods[0], copy_modules, strict=True)):
             if m.training != m0.training:
                 m.training = m0.training
+            if seen is not None:
+                _plain_state(seen[i], m0, m)
     if module.__dict__["_lazy"]:  # initialized since (each copy by its own forward)
         _initialize(named, module.__dict__["_lazy"])
         module.__dict__["_lazy"] = {name for name, p in first if is_lazy(p)}
+
+
+_TORCH_OWN = frozenset(nn.Module().__dict__)  # (what torch keeps in a module's __dict__)
+_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+
+
+def expose(module: Any, outside_run: bool) -> None:
+    """Replica 0's copy of mirrored ``module`` is handed out outside ``run``: the next
+    run checks the copies, and gives the others what changes in replica 0's plain
+    attributes until then (`_plain_state`), from a record of them taken now."""
+    if not outside_run:
+        return
+    CHANGES[0] += 1
+    own = module.__dict__
+    if own.get("_plain_seen") is None and "_modules" in own and len(own["_copies"]) > 1:
+        own["_plain_seen"] = [_plain(m) for m in own["_modules"][0]]
+
+
+def _plain(module: nn.Module) -> dict[str, Any]:
+    return {name: value for name, value in module.__dict__.items()
+            if name not in _TORCH_OWN and _immutable(value)}
+
+
+def _plain_state(before: dict[str, Any], first: nn.Module, other: nn.Module) -> None:
+    """Gives ``other`` the plain attributes of immutable values (None, numbers, strings,
+    tuples of them) that replica 0's ``first`` changed outside ``run`` since ``before``
+    was recorded: a method of the user's module called through the mirrored model there
+    (``model.reset_state()``) ran on replica 0's copy alone. Set in ``run``: kept."""
+    now, theirs = _plain(first), other.__dict__
+    for name, value in now.items():
+        if name not in before or not _same(before[name], value):
+            theirs[name] = value
+    for name in before.keys() - now.keys():
+        if name not in first.__dict__:  # (deleted on replica 0's copy)
+            theirs.pop(name, None)
+
+
+def _immutable(value: Any) -> bool:
+    if isinstance(value, tuple | frozenset):
+        return all(_immutable(v) for v in value)
+    return isinstance(value, _IMMUTABLE)
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a is b or (type(a) is type(b) and bool(a == b))
 
 
 def _current(named: list[list[tuple[str, nn.Parameter]]],

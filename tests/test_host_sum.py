@@ -205,7 +205,7 @@ def test_replicas_handing_over_different_tensors_fail_on_every_replica() -> None
     a = [torch.zeros(3), torch.zeros(2)]
     site = "the gradients of w, ... (mirrored optimizer #7)"
     with pytest.raises(CollectiveFailure) as raised:
-        host_sum._hand_over(site, [a, [torch.zeros(3), torch.zeros(4)]])
+        host_sum._hand_over(site, (), [a, [torch.zeros(3), torch.zeros(4)]])
     assert str(raised.value) == (
         "MirroredOptimizer.step at the gradients of w, ... (mirrored optimizer #7): replica 1 "
         "hands over float32[4] as gradient or buffer 1, where replica 0 has float32[2]; "
@@ -214,14 +214,22 @@ def test_replicas_handing_over_different_tensors_fail_on_every_replica() -> None
     with pytest.raises(CollectiveFailure, match=r"replica 1 hands over float64\[2\] as "
                                                 r"gradient or buffer 1, where replica 0 has "
                                                 r"float32\[2\]"):
-        host_sum._hand_over(site, [a, [torch.zeros(3), torch.zeros(2, dtype=torch.float64)]])
+        host_sum._hand_over(site, (), [a, [torch.zeros(3), torch.zeros(2, dtype=torch.float64)]])
     with pytest.raises(CollectiveFailure, match="replica 2 hands over 1 gradients and buffers, "
                                                 "replica 0 2"):
-        host_sum._hand_over(site, [a, a, a[:1]])
+        host_sum._hand_over(site, (), [a, a, a[:1]])
     with pytest.raises(CollectiveFailure, match=r"does not support dtype uint16 \(at the "
                                                 r"gradients of w, .*, gradient or buffer 0\)"):
-        host_sum._hand_over(site, [[torch.zeros(2, dtype=torch.uint16)]] * 2)
-    shared = host_sum._hand_over(site, [a, list(a)])
+        host_sum._hand_over(site, (), [[torch.zeros(2, dtype=torch.uint16)]] * 2)
+    names = ("the gradient of 'w'", "buffer 'h'")  # (a stateful RNN's hidden state)
+    with pytest.raises(CollectiveFailure, match=r"replica 1 hands over float32\[4\] as buffer "
+                                                r"'h', where replica 0 has float32\[2\]; .*"
+                                                r"per-example state .* plain attribute"):
+        host_sum._hand_over(site, names, [a, [torch.zeros(3), torch.zeros(4)]])
+    with pytest.raises(CollectiveFailure, match=r"float32\[1\] as the gradient of 'w', .*"
+                                                r"was one copy changed alone"):
+        host_sum._hand_over(site, names, [a, [torch.zeros(1), torch.zeros(2)]])
+    shared = host_sum._hand_over(site, (), [a, list(a)])
     assert len(shared) == 2 and shared[0] is shared[1] and shared[0][0] is a
 
 

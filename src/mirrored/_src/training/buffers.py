@@ -32,8 +32,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["BUFFER_RULES", "BufferRule", "BufferSync", "batch_weight", "other_buffers",
-           "take_statistics", "weighted_statistics"]
+__all__ = ["BUFFER_RULES", "BufferRule", "BufferSync", "batch_weight", "leaf_names",
+           "other_buffers", "take_statistics", "weighted_statistics"]
 
 BufferRule = Literal["average", "broadcast", "off"]
 BUFFER_RULES: tuple[BufferRule, ...] = ("average", "broadcast", "off")
@@ -180,4 +180,14 @@ def take_statistics(stats: list[torch.Tensor], sums: Sequence[torch.Tensor]) -> 
         else:  # (no device sync: chosen on the device)
             for t, value in zip(stats, totals, strict=True):
                 t.copy_(torch.where(weights > 0, value / weights, t))
+
+
+def leaf_names(params: Sequence[str], stats: int, sync: BufferSync) -> list[str]:
+    """How messages name the leaves of a step's all-reduce, in order: the gradients,
+    the step's flags, the BatchNorm statistics and their weight, the other buffers
+    and their flags."""
+    return [*(f"the gradient of {name!r}" for name in params), "the step's flags",
+            *["a BatchNorm running statistic"] * stats, *["their weight"] * bool(stats),
+            *(f"buffer {qualified!r}" for _, _, qualified in sync.owners),
+            *["their flags"] * bool(sync.owners)]
 

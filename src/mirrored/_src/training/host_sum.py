@@ -66,6 +66,7 @@ class HostSum:
         label: the mirrored optimizer's step (``"MirroredOptimizer.step (the optimizer
             of mirrored model #1)"``), the meeting's title and key: two models' steps
             met by different replicas are a `CollectiveMismatchError` naming both.
+        names: how messages name the leaves, in order (`buffers.leaf_names`).
 
     Example:
         >>> import torch, mirrored
@@ -76,11 +77,12 @@ class HostSum:
 
     __slots__ = ("_hand_over", "_key", "_leaves", "_parts", "_site")
 
-    def __init__(self, parts: Parts, site: str, label: str) -> None:
+    def __init__(self, parts: Parts, site: str, label: str, names: Sequence[str] = ()
+                 ) -> None:
         self._parts = parts
         self._key = label
         self._site = site
-        self._hand_over = functools.partial(_hand_over, self._site)
+        self._hand_over = functools.partial(_hand_over, self._site, tuple(names))
         self._leaves: dict[int, tuple[tuple[torch.dtype, tuple[int, ...]], ...]] = {}
 
     @staticmethod
@@ -118,7 +120,7 @@ class HostSum:
         return total
 
 
-def _hand_over(site: str, payloads: Sequence[list[torch.Tensor]]
+def _hand_over(site: str, names: tuple[str, ...], payloads: Sequence[list[torch.Tensor]]
                ) -> list[Sequence[list[torch.Tensor]]]:
     """Every replica gets every replica's leaves, once their shapes and dtypes agree
     and torch can add them (a step's Python: compared by C-level maps, each dtype
@@ -127,7 +129,7 @@ def _hand_over(site: str, payloads: Sequence[list[torch.Tensor]]
     shapes, dtypes = list(map(_SHAPE, first)), list(map(_DTYPE, first))
     for r, leaves in enumerate(payloads):
         if r and (list(map(_SHAPE, leaves)) != shapes or list(map(_DTYPE, leaves)) != dtypes):
-            raise CollectiveFailure(RuntimeError, _differ_message(site, r, leaves, first))
+            raise CollectiveFailure(RuntimeError, _differ_message(site, r, leaves, first, names))
     for dtype in set(dtypes):
         try:
             check_dtype("MirroredOptimizer.step", ReduceOp.SUM, dtype,
@@ -139,15 +141,24 @@ def _hand_over(site: str, payloads: Sequence[list[torch.Tensor]]
 
 
 def _differ_message(site: str, r: int, leaves: Sequence[torch.Tensor],
-                    first: Sequence[torch.Tensor]) -> str:
+                    first: Sequence[torch.Tensor], names: Sequence[str] = ()) -> str:
     where = f"MirroredOptimizer.step at {site}: replica {r}"
     if len(leaves) != len(first):
         got = f"hands over {len(leaves)} gradients and buffers, replica 0 {len(first)}"
-    else:
-        k = next(k for k, (a, b) in enumerate(zip(leaves, first, strict=True))
-                 if a.shape != b.shape or a.dtype != b.dtype)
-        got = (f"hands over {describe(leaves[k])} as gradient or buffer {k}, where replica "
-               f"0 has {describe(first[k])}")
+        return (f"{where} {got}; expected the same on every replica (the copies of the "
+                "model must stay alike: was one copy changed alone, model.replicas[i]?)")
+    k = next(k for k, (a, b) in enumerate(zip(leaves, first, strict=True))
+             if a.shape != b.shape or a.dtype != b.dtype)
+    name = names[k] if k < len(names) and len(leaves) == len(names) else (
+        f"gradient or buffer {k}")
+    got = f"hands over {describe(leaves[k])} as {name}, where replica 0 has {describe(first[k])}"
+    if name.startswith("buffer "):
+        return (f"{where} {got}; the buffers of the copies are averaged at each step, so "
+                "they must have the same shape on every replica. A buffer whose shape "
+                "follows the replica's batch holds per-example state (a stateful RNN's "
+                "hidden state), which averaging would mix across replicas even when the "
+                "shapes agree: keep such state as a plain attribute (not register_buffer), "
+                "one per copy")
     return (f"{where} {got}; expected the same on every replica (the copies of the model "
             "must stay alike: was one copy changed alone, model.replicas[i]?)")
 

@@ -34,6 +34,7 @@ from .buffers import (
     BufferRule,
     BufferSync,
     batch_weight,
+    leaf_names,
     other_buffers,
     take_statistics,
     weighted_statistics,
@@ -134,8 +135,9 @@ class GradientReducer:
             self._meta = tuple(torch.cat([m, (torch.arange(n, device=m.device) == g).to(m.dtype)])
                                for m, g in zip(self._meta, ids, strict=True))
         # In-process host replicas add each other's gradients on their own threads.
-        self._host_sum = HostSum(self._parts, f"the gradients of {names[0]}, ...",
-                                 self.label) if HostSum.applies(self._parts, params[0]) else None
+        self._host_sum = HostSum(self._parts, f"the gradients of {names[0]}, ...", self.label,
+                                 leaf_names(names, len(self._stats[0]), self._sync[0])
+                                 ) if HostSum.applies(self._parts, params[0]) else None
         self.buckets: GradientBuckets | None = None
         if overlap and n > 1 and len(bucket_plan(params[0], bucket_bytes)) > 1:
             self.buckets = GradientBuckets(params, self._parts.communicators.default,

@@ -182,3 +182,49 @@ def test_a_compiled_loss_function_compiles_once_and_trains_as_one_device(
     assert len(compiles) == after_two, compiles  # (a compile at every step before)
     for mine, theirs in zip(model.replicas[0].parameters(), one.parameters(), strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_sync_batch_norm_cumulative_average_compiled_by_inductor() -> None:
+    # momentum=None: the factor is 1 / num_batches_tracked; a float read from the count
+    # was frozen by Inductor at its value when compiled (1/2 at every later step).
+    from torch import nn
+
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(3, momentum=None)
+    batches = [torch.randn(8, 3) * (i + 1) + i for i in range(4)]
+    reference = nn.BatchNorm1d(3, momentum=None)
+    reference.load_state_dict(norm.state_dict())
+    for x in batches:
+        reference(x)
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    model = strategy.mirror(norm, sync_batch_norm=True)
+    compiled = torch.compile(model)
+    for (x,) in strategy.experimental_distribute_dataset([(b,) for b in batches]):
+        strategy.run(compiled, args=(x,))
+    for copy_ in model.replicas:
+        assert int(copy_.num_batches_tracked) == 4
+        torch.testing.assert_close(copy_.running_mean, reference.running_mean)
+        torch.testing.assert_close(copy_.running_var, reference.running_var)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_fullgraph_refusal_says_why_the_library_breaks_the_graph() -> None:
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    model = strategy.mirror(torch.nn.Linear(3, 2))
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def loss_of_model(x: torch.Tensor) -> torch.Tensor:
+        return model(x).sum()
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def average(x: torch.Tensor) -> torch.Tensor:
+        return mirrored.compute_average_loss(x.pow(2).sum(1))
+
+    x = torch.randn(4, 3)
+    with pytest.raises(Exception, match="picks the replica's copy eagerly"):
+        strategy.run(loss_of_model, args=(x,))
+    with pytest.raises(Exception, match="compute_average_loss runs eagerly under torch.compile"):
+        strategy.run(average, args=(x,))

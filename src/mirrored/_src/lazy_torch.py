@@ -32,10 +32,11 @@ __all__ = ["skip_in_dynamo", "when_imported"]
 _lock = threading.RLock()
 
 
-def skip_in_dynamo(fn: Callable[..., Any], *, inside: bool = False) -> None:
+def skip_in_dynamo(fn: Callable[..., Any], *, inside: bool = False, reason: str = "") -> None:
     """Dynamo skips ``fn`` (and compiles what it calls, or with ``inside`` runs all of
     that eagerly too), whether met by its frame hook or while tracing a caller; a
-    torch without the C hook traces it.
+    torch without the C hook traces it. ``reason``: why, in Dynamo's message where a
+    graph break is refused (``fullgraph=True``).
 
     Example:
         >>> def bookkeeping() -> None: ...
@@ -44,6 +45,8 @@ def skip_in_dynamo(fn: Callable[..., Any], *, inside: bool = False) -> None:
         True
     """
     fn._torchdynamo_disable = True  # type: ignore[attr-defined]
+    if reason:  # (what Dynamo says where it cannot break the graph: fullgraph=True)
+        fn._torchdynamo_disable_msg = reason  # type: ignore[attr-defined]
     try:
         from torch._C._dynamo.eval_frame import (
             _FrameAction,

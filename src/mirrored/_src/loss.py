@@ -138,7 +138,10 @@ def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = 
 # bookkeeping (a per-replica call count, the divisors compared at the step, the example
 # count's exchange) made Dynamo guard on values that change every step, so a compiled
 # loss function was compiled again at every step until the recompile limit.
-skip_in_dynamo(compute_average_loss, inside=True)
+skip_in_dynamo(compute_average_loss, inside=True, reason=(
+    "mirrored.compute_average_loss runs eagerly under torch.compile (it counts the step's "
+    "examples across replicas): a graph break there; drop fullgraph=True, or return the "
+    "per-example loss from the compiled function and call compute_average_loss on it"))
 
 
 def scale_regularization_loss(regularization_loss: Any) -> torch.Tensor:

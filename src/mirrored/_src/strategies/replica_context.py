@@ -13,6 +13,7 @@ from ..collectives.call import call_site
 from ..collectives.one_tensor import OneTensor
 from ..collectives.parts import Parts
 from ..errors import CollectiveMismatchError
+from ..lazy_torch import skip_in_dynamo
 from ..options import CommunicationOptions
 from ..reduce_op import ReduceOp
 
@@ -192,3 +193,13 @@ class ReplicaContext:
         self._check_current("merge_call")
         return merge_call.merge_call(self._parts, self._index, merge_fn, args, kwargs,
                                      call_site(1))
+
+
+# Eager under torch.compile, each a graph break where it is called: a collective meets
+# the other replicas (Dynamo cannot trace the wait, and read the call site with
+# sys._getframe, warning about it, before it broke the graph inside).
+for _method in (ReplicaContext.all_reduce, ReplicaContext.all_gather,
+                ReplicaContext.merge_call):
+    skip_in_dynamo(_method, inside=True, reason=(
+        f"mirrored's ReplicaContext.{_method.__name__} meets the other replicas eagerly: a "
+        "graph break there under torch.compile; drop fullgraph=True"))

@@ -83,18 +83,27 @@ class MirroredBatchNorm(_BatchNorm):
 
     @torch.no_grad()
     def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, n: float) -> None:
-        factor = 0.0 if self.momentum is None else self.momentum
+        factor: float | torch.Tensor = 0.0 if self.momentum is None else self.momentum
         if self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
             if self.momentum is None:  # cumulative moving average
-                factor = 1.0 / float(self.num_batches_tracked)
+                # Compiled, a float read from the count is frozen at its value when the
+                # graph was built (Inductor: 1/2 at every later step), so a tensor there.
+                factor = (self.num_batches_tracked.to(torch.float64).reciprocal()
+                          if torch.compiler.is_compiling()
+                          else 1.0 / float(self.num_batches_tracked))
         if self.running_mean is not None:
-            self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype),
-                                                    alpha=factor)
+            _blend(self.running_mean, mean, factor)
         if self.running_var is not None:
-            unbiased = var * (n / (n - 1))
-            self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype),
-                                                   alpha=factor)
+            _blend(self.running_var, var * (n / (n - 1)), factor)  # (unbiased)
+
+
+def _blend(running: torch.Tensor, new: torch.Tensor, factor: float | torch.Tensor) -> None:
+    """``running = (1 - factor) * running + factor * new``, in place, as torch does."""
+    if isinstance(factor, torch.Tensor):
+        running.mul_(1 - factor).add_(new.to(running.dtype) * factor)
+    else:
+        running.mul_(1 - factor).add_(new.to(running.dtype), alpha=factor)
 
 
 class MirroredBatchNorm1d(MirroredBatchNorm, nn.BatchNorm1d):

@@ -290,14 +290,14 @@ _OWN = frozenset({"_strategy", "_devices", "_calls", "_sync_batch_norm",
 
 
 def _run_copy(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """Calls one copy. Under ``torch.compile`` this is the frame dynamo compiles
-    (``MirroredModule.__call__`` is skipped, and a compiled function calling the model
-    breaks its graph there): its guards name that copy alone, so each copy has its own
-    compile cache budget, and no library bookkeeping is traced."""
+    """Calls one copy. Under ``torch.compile`` this is the frame dynamo compiles (a
+    compiled function calling the model breaks its graph at ``MirroredModule.__call__``):
+    its guards name that copy alone, and no library bookkeeping is traced."""
     return module(*args, **kwargs)
 
 
-skip_in_dynamo(MirroredModule.__call__)
+skip_in_dynamo(MirroredModule.__call__, reason="a mirrored model picks the replica's copy "
+               "eagerly (each copy compiled on its own): a graph break; drop fullgraph=True")
 
 
 def _compiled_wrapper(module: nn.Module) -> Any:

@@ -226,5 +226,5 @@ def test_fullgraph_refusal_says_why_the_library_breaks_the_graph() -> None:
     x = torch.randn(4, 3)
     with pytest.raises(Exception, match="picks the replica's copy eagerly"):
         strategy.run(loss_of_model, args=(x,))
-    with pytest.raises(Exception, match="compute_average_loss runs eagerly under torch.compile"):
+    with pytest.raises(Exception, match=r"compute_average_loss runs eagerly under torch\.compile"):
         strategy.run(average, args=(x,))

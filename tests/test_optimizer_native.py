@@ -304,6 +304,28 @@ def test_a_constant_buffer_stays_bitwise_constant(replicas: int) -> None:
         strategy.close()
 
 
+def _train_on_splits(two: mirrored.MirroredStrategy, model: nn.Module, opt: Any,
+                     reference: nn.Module, splits: tuple[list[int], ...]) -> None:
+    """Steps the mirrored model on the first ``sum(rows)`` examples split ``rows`` over
+    the replicas, and ``reference`` (plain SGD, lr 0.1) on the same rows."""
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = mirrored.compute_average_loss((model(x).squeeze(1) - y) ** 2)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    x, y = data()
+    for rows in splits:
+        xs, ys = x[:sum(rows)], y[:sum(rows)]
+        two.run(step, args=(mirrored.PerReplica(list(xs.split(rows))),
+                            mirrored.PerReplica(list(ys.split(rows)))))
+        ref_opt.zero_grad()
+        ((reference(xs).squeeze(1) - ys) ** 2).mean().backward()
+        ref_opt.step()
+
+
 def test_a_replica_with_an_empty_batch_is_left_out_of_the_buffers_average(
         two: mirrored.MirroredStrategy) -> None:
     # The empty replica's EMA took x.mean(0) of no rows, NaN; averaged in, every copy
@@ -314,22 +336,7 @@ def test_a_replica_with_an_empty_batch_is_left_out_of_the_buffers_average(
     opt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
     torch.manual_seed(0)
     reference = WithEma()
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        loss = mirrored.compute_average_loss((model(x).squeeze(1) - y) ** 2)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-
-    x, y = data()
-    for rows in ([3, 3], [1, 0], [0, 2], [3, 3]):
-        xs, ys = x[:sum(rows)], y[:sum(rows)]
-        two.run(step, args=(mirrored.PerReplica(list(xs.split(rows))),
-                            mirrored.PerReplica(list(ys.split(rows)))))
-        ref_opt.zero_grad()
-        ((reference(xs).squeeze(1) - ys) ** 2).mean().backward()
-        ref_opt.step()
+    _train_on_splits(two, model, opt, reference, ([3, 3], [1, 0], [0, 2], [3, 3]))
     for copy_ in model.replicas:  # (even or one-sided batches: one device's EMA)
         torch.testing.assert_close(copy_.ema, reference.ema, rtol=1e-12, atol=1e-12)
         for a, b in zip(copy_.parameters(), reference.parameters(), strict=True):
@@ -349,22 +356,7 @@ def test_a_replica_with_an_empty_batch_is_left_out_of_the_batch_norm_average(
     model = two.mirror(make())
     opt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1), overlap=overlap)
     reference = make()
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        loss = mirrored.compute_average_loss((model(x).squeeze(1) - y) ** 2)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-
-    x, y = data()
-    for rows in ([4, 0], [0, 3], [2, 0], [0, 5]):
-        xs, ys = x[:sum(rows)], y[:sum(rows)]
-        two.run(step, args=(mirrored.PerReplica(list(xs.split(rows))),
-                            mirrored.PerReplica(list(ys.split(rows)))))
-        ref_opt.zero_grad()
-        ((reference(xs).squeeze(1) - ys) ** 2).mean().backward()
-        ref_opt.step()
+    _train_on_splits(two, model, opt, reference, ([4, 0], [0, 3], [2, 0], [0, 5]))
     for copy_ in model.replicas:
         for a, b in zip(copy_.state_dict().values(), reference.state_dict().values(),
                         strict=True):

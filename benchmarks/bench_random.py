@@ -40,15 +40,18 @@ import mirrored
 
 def interleaved(fns: dict[str, Callable[[], object]], repeats: int, inner: int,
                 clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
-    """Median seconds per call of each fn; one sample of each in turn, ``repeats`` times.
-    ``clock=time.process_time`` counts the CPU time of all threads instead of wall time
-    (steadier on a shared machine, where wall time includes waiting for a core)."""
+    """Median seconds per call of each fn; one sample of each in turn, ``repeats`` times,
+    the order rotated each round. ``clock=time.process_time`` counts the CPU time of all
+    threads instead of wall time (steadier on a shared machine, where wall time includes
+    waiting for a core)."""
     for fn in fns.values():
         for _ in range(max(3, inner // 5)):
             fn()
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    names = list(fns)
+    for round_ in range(repeats):
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            fn = fns[name]
             start = clock()
             for _ in range(inner):
                 fn()
@@ -183,8 +186,13 @@ def training(quick: bool) -> None:
     y = torch.randint(0, 10, (128,), generator=g)
     for label, (make, x) in models.items():
         for clock_name, clock in (("wall", time.perf_counter), ("cpu", time.process_time)):
-            times = interleaved(steps(make, x, y), repeats=5 if quick else 15,
-                                inner=5 if quick else 20, clock=clock)
+            fns = steps(make, x, y)
+            plain = {"plain loop": fns.pop("plain loop")}  # (timed apart: its OpenMP
+            # threads spin on after it and slow whatever runs next, about 15 %)
+            times = interleaved(plain, repeats=3 if quick else 5, inner=5 if quick else 20,
+                                clock=clock)
+            times |= interleaved(fns, repeats=6 if quick else 16, inner=5 if quick else 20,
+                                 clock=clock)
             off = times["2 replicas, off"]
             cells = ", ".join(f"{k} {v * 1e3:.2f} ({v / off:.3f})" for k, v in times.items())
             print(f"    {label}, {clock_name}: {cells}")

@@ -9,6 +9,9 @@ replica (``runtime/watchdog.py`` keeps the baton while Dynamo compiles)."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.abc
+import importlib.machinery
 import subprocess
 import sys
 import textwrap
@@ -129,6 +132,65 @@ def test_a_function_is_compiled_once_for_all_replicas(n: int) -> None:
         got = strategy.experimental_local_results(strategy.run(step))
         assert all(torch.allclose(g, fn(x + k)) for k, g in enumerate(got))
     assert len(compiles) == 1, compiles  # (one compile per replica before)
+
+
+@pytest.mark.timeout(60)
+def test_user_code_that_dynamo_runs_while_tracing_may_wait_for_another_replica() -> None:
+    # The baton stayed with the compiling replica while any thread held Dynamo's
+    # compile lock: a value computed at trace time that waits for another replica
+    # waited for one the baton kept from running (here until its 5 s timeout, -1).
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    ready = threading.Event()
+
+    @torch.compiler.assume_constant_result
+    def scale() -> float:
+        return 2.0 if ready.wait(timeout=5) else -1.0
+
+    compiled = torch.compile(lambda x: x * scale(), backend="eager")
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        if mirrored.get_replica_context().replica_id_in_sync_group == 1:
+            ready.set()
+            return x
+        return compiled(x)  # type: ignore[no-any-return]
+
+    try:
+        got = strategy.experimental_local_results(strategy.run(step, args=(torch.ones(2),)))
+    finally:
+        strategy.close()
+    assert got[0].tolist() == [2.0, 2.0]
+
+
+def test_an_import_callback_leaves_a_custom_importer_its_modules() -> None:
+    # The finder removed itself from sys.meta_path while the import system iterated
+    # it, so the finder after it was skipped: a module only a custom importer provides
+    # failed to import. It also asked the path finder alone (no call back for it), and
+    # wrapped a shared loader's exec_module for good (called back for every module).
+    from mirrored._src.lazy_torch import when_imported
+
+    class Virtual(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name: str, path: object, target: object = None) -> object:
+            return (importlib.machinery.ModuleSpec(name, self)
+                    if name.startswith("mirrored_virtual_") else None)
+
+        def create_module(self, spec: object) -> None:
+            return None
+
+        def exec_module(self, module: types.ModuleType) -> None:
+            module.value = 42  # type: ignore[attr-defined]
+
+    virtual, seen = Virtual(), []
+    sys.meta_path.insert(0, virtual)
+    try:
+        when_imported("mirrored_virtual_a", lambda m: seen.append(m.__name__))
+        a = importlib.import_module("mirrored_virtual_a")
+        b = importlib.import_module("mirrored_virtual_b")
+        assert (a.value, b.value, seen) == (42, 42, ["mirrored_virtual_a"])
+        assert "exec_module" not in vars(virtual)  # (the wrapper went with the call)
+    finally:
+        sys.meta_path.remove(virtual)
+        for name in ("mirrored_virtual_a", "mirrored_virtual_b"):
+            sys.modules.pop(name, None)
 
 
 @pytest.mark.timeout(120)

@@ -11,14 +11,18 @@ the execution strategy when inlining).
 
 ``when_imported(name, callback)`` calls ``callback(module)``
 at once if ``name`` is in ``sys.modules``, else right after the module's first import
-has executed, through one finder at the front of ``sys.meta_path`` that finds the
-module with the standard path finder and wraps its loader's ``exec_module``. The
-finder answers only the names waited for, and leaves ``sys.meta_path`` once none is
-left. A module that the path finder cannot find (a custom importer) never calls back.
+has executed, through one finder at the front of ``sys.meta_path`` (put back there
+at each call, ahead of finders inserted since) that finds the
+module with the finders after it (the path finder, or a custom importer's) and wraps
+its loader's ``exec_module``. The finder answers only the names waited for, and stays
+in ``sys.meta_path`` when none is left (one dict probe per import): removing itself
+while the import system iterated the list skipped the finder after it. A loader
+without ``exec_module`` (the legacy ``load_module``) never calls back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.machinery
 import sys
@@ -76,8 +80,11 @@ def when_imported(name: str, callback: Callable[[ModuleType], None]) -> None:
         module = sys.modules.get(name)
         if module is None:
             _waiting.setdefault(name, []).append(callback)
-            if not any(isinstance(f, _Finder) for f in sys.meta_path):
-                sys.meta_path.insert(0, _Finder())
+            mine = [f for f in sys.meta_path if isinstance(f, _Finder)]
+            if not mine or sys.meta_path[0] is not mine[0]:  # (at the front: first asked)
+                for finder in mine:
+                    sys.meta_path.remove(finder)
+                sys.meta_path.insert(0, mine[0] if mine else _Finder())
             return
     callback(module)
 
@@ -85,22 +92,35 @@ def when_imported(name: str, callback: Callable[[ModuleType], None]) -> None:
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Sequence[str] | None,
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in _waiting:  # (the common case: one dict probe, no lock)
+            return None
         with _lock:
             callbacks = _waiting.pop(fullname, None)
-            if callbacks is None:
-                return None
-            if not _waiting and self in sys.meta_path:
-                sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+            finders = sys.meta_path[sys.meta_path.index(self) + 1:] if self in sys.meta_path else []
+        if callbacks is None:
+            return None
+        spec = None
+        for finder in finders:  # (the path finder, or a custom importer)
+            find = getattr(finder, "find_spec", None)
+            if find is not None and (spec := find(fullname, path, target)) is not None:
+                break
         loader = spec.loader if spec is not None else None
         if loader is None or not hasattr(loader, "exec_module"):
+            if spec is None:  # (not found now: a later import may find it)
+                with _lock:
+                    _waiting.setdefault(fullname, []).extend(callbacks)
             return spec
-        execute = loader.exec_module
+        execute, own = loader.exec_module, getattr(loader, "__dict__", {}).get("exec_module")
 
-        def exec_module(module: ModuleType) -> None:
+        def exec_module(module: ModuleType) -> None:  # (once: a loader may be shared)
+            if own is None:
+                del loader.exec_module
+            else:
+                loader.exec_module = own
             execute(module)
             for callback in callbacks:
                 callback(module)
 
-        loader.exec_module = exec_module  # type: ignore[method-assign]
+        with contextlib.suppress(AttributeError):  # (a loader without attributes: no call back)
+            loader.exec_module = exec_module
         return spec

@@ -82,6 +82,7 @@ def run(strategy: Any, parts: Parts, contexts: Sequence[Any], fn: Callable[..., 
         _note_empty_batches(error, replica_args, parts.topology.labels)
         raise
     finally:
+        parts.run_args[0] = None  # (the batch is not kept alive until the next run)
         if cluster is None:
             context.run_finished(key)
         else:

@@ -11,16 +11,20 @@ and as zeros by the others, so the sum is replica 0's value exactly.
 
 Two refinements keep the average one device's where it can be:
 
-- A buffer no replica changed since the last step (same tensor, same version
-  counter on every copy: a positional encoding, a mask) is left as it is. Averaged,
-  it drifted: ``(x + x + x) / 3`` is not ``x`` in floating point for about 15 % of
-  random float32 values, so on 3, 5, 6, 7 replicas such a buffer moved by an ulp at
-  every step, where one device keeps it constant.
+- A buffer whose value no replica changed since the last step (each copy compares
+  its value with a snapshot of what the last step left: a positional encoding, a
+  mask) is left as it is. Averaged, it drifted: ``(x + x + x) / 3`` is not ``x`` in
+  floating point for about 15 % of random float32 values, so on 3, 5, 6, 7 replicas
+  such a buffer moved by an ulp at every step, where one device keeps it constant.
+  The comparison is by value, not by torch's version counter: a write through
+  ``.data`` (common in EMA codebooks) leaves the counter as it was, and a buffer so
+  updated was never averaged, its copies drifting apart silently.
 - A replica whose batch in the step is empty (the first tensor among ``run``'s
   arguments has 0 rows) is left out of the average: its update came from no
   example (``x.mean(0)`` of an empty batch is NaN, which made every copy NaN).
-  One flag tensor carries both: a changed flag per buffer and the replica's weight
-  (0 or 1), summed with the buffers.
+  One float32 flag tensor carries both: a changed flag per buffer and the replica's
+  weight (0 or 1), summed with the buffers (float32 counts exactly to 2**24
+  replicas; bfloat16 stopped at 256).
 """
 
 from __future__ import annotations
@@ -60,7 +64,8 @@ def other_buffers(module: nn.Module) -> list[tuple[nn.Module, str, str]]:
 
 class BufferSync:
     """One replica's side of the buffer rule: what it sends, and how it applies the
-    sums. ``owners`` are `other_buffers` of the replica's copy."""
+    sums. ``owners`` are `other_buffers` of the replica's copy (a buffer may be
+    ``None``, as InstanceNorm's are without running statistics: it is not sent)."""
 
     def __init__(self, rule: BufferRule, owners: Sequence[tuple[nn.Module, str, str]],
                  num_replicas: int) -> None:
@@ -68,29 +73,41 @@ class BufferSync:
         self.all = list(owners)
         self.owners = [] if rule == "off" else self.all
         self.num_replicas = num_replicas
+        self._sent: list[int] = []  # the owners whose buffer this step sends
         self._current: list[torch.Tensor] = []
-        # per buffer: (the tensor, its version) as the last step left it (the copies
-        # are equal then, and at `mirror`)
-        self._synced = [(t, t._version) if (t := m._buffers[name]) is not None else None
-                        for m, name, _ in self.owners]
+        # per owner: a copy of the value the last step left (equal on every copy then,
+        # and at `mirror`), or None
+        self._last = [_snapshot(m._buffers[name], None) for m, name, _ in self.owners]
+
+    def sent_names(self) -> list[str]:
+        """The qualified names of the buffers a step sends now (not ``None``)."""
+        return [qualified for m, name, qualified in self.owners if m._buffers[name] is not None]
 
     def send(self, global_id: int, weight: int = 1) -> list[torch.Tensor]:
         """This replica's contributions (empty when there is nothing to do), then the
         flag tensor; ``weight``: 0 if its batch was empty (left out of averages)."""
-        if not self.owners:
+        self._sent = [k for k, (m, name, _) in enumerate(self.owners)
+                      if m._buffers[name] is not None]
+        if not self._sent:
             return []
-        self._current = [t for m, name, _ in self.owners
-                         if (t := m._buffers[name]) is not None]
-        out, changed = [], []
-        for t, was in zip(self._current, self._synced, strict=False):
-            changed.append(float(was is None or t is not was[0] or t._version != was[1]))
+        self._current = [self.owners[k][0]._buffers[self.owners[k][1]]  # type: ignore[misc]
+                         for k in self._sent]
+        out = []
+        for t in self._current:
             wire = t.detach().to(torch.uint8) if t.dtype == torch.bool else t.detach()
             averaged = self.rule == "average" and t.is_floating_point()
             out.append(wire if (averaged and weight) or (not averaged and global_id == 0)
                        else torch.zeros_like(wire))
-        floats = [t.dtype for t in self._current if t.is_floating_point()]
-        out.append(torch.tensor([*changed, float(weight)], device=self._current[0].device,
-                                dtype=floats[0] if floats else torch.float32))
+        pairs = [(t, self._last[k]) for k, t in zip(self._sent, self._current, strict=True)]
+        device = self._current[0].device
+        if device.type == "cpu":
+            out.append(torch.tensor([*(float(not _same(t, last)) for t, last in pairs),
+                                     float(weight)]))
+        else:  # (no device sync, no copy from the host)
+            out.append(torch.stack([
+                *(torch.ones((), device=device) if last is None or not _alike(t, last)
+                  else (t != last).any().float() for t, last in pairs),
+                torch.full((), float(weight), device=device)]))
         return out
 
     def apply(self, sums: Sequence[torch.Tensor]) -> None:
@@ -116,7 +133,8 @@ class BufferSync:
                         take = take & (weight > 0)
                         total = total / weight
                     t.copy_(torch.where(take, total.to(t.dtype), t))
-        self._synced = [(t, t._version) for t in self._current]
+        for k, t in zip(self._sent, self._current, strict=True):
+            self._last[k] = _snapshot(t, self._last[k])
         self._current = []
 
     def fingerprinted(self) -> list[tuple[str, torch.Tensor]]:
@@ -164,7 +182,9 @@ def weighted_statistics(stats: list[torch.Tensor], weight: int) -> list[torch.Te
     if not stats:
         return []
     sent = stats if weight else [torch.zeros_like(t) for t in stats]
-    return [*sent, torch.tensor([float(weight)], dtype=stats[0].dtype, device=stats[0].device)]
+    device = stats[0].device  # (float32: bfloat16 counted to 256 replicas only)
+    return [*sent, torch.tensor([float(weight)]) if device.type == "cpu"
+            else torch.full((1,), float(weight), device=device)]
 
 
 def take_statistics(stats: list[torch.Tensor], sums: Sequence[torch.Tensor]) -> None:
@@ -188,6 +208,24 @@ def leaf_names(params: Sequence[str], stats: int, sync: BufferSync) -> list[str]
     and their flags."""
     return [*(f"the gradient of {name!r}" for name in params), "the step's flags",
             *["a BatchNorm running statistic"] * stats, *["their weight"] * bool(stats),
-            *(f"buffer {qualified!r}" for _, _, qualified in sync.owners),
-            *["their flags"] * bool(sync.owners)]
+            *(f"buffer {qualified!r}" for qualified in sync.sent_names()),
+            *["their flags"] * bool(sync.sent_names())]
 
+
+
+def _alike(t: torch.Tensor, last: torch.Tensor) -> bool:
+    return t.shape == last.shape and t.dtype == last.dtype and t.device == last.device
+
+
+def _same(t: torch.Tensor, last: torch.Tensor | None) -> bool:
+    """Whether buffer ``t`` holds the value ``last`` recorded (NaN never does)."""
+    return last is not None and _alike(t, last) and torch.equal(t, last)
+
+
+def _snapshot(t: torch.Tensor | None, last: torch.Tensor | None) -> torch.Tensor | None:
+    """A copy of ``t``'s value, in ``last`` when it fits."""
+    if t is None:
+        return None
+    if last is not None and _alike(t, last):
+        return last.copy_(t.detach())
+    return t.detach().clone()

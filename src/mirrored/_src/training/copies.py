@@ -29,7 +29,8 @@ from torch.nn.parameter import is_lazy
 from torch.utils.hooks import RemovableHandle
 
 from ..context import current_replica_context
-from .structure import CHANGES, LAYOUT, copy_to
+from .copying import copy_to
+from .structure import CHANGES, LAYOUT
 
 __all__ = ["CopiesModule", "Handles"]
 

@@ -28,8 +28,9 @@ from ..lazy_torch import skip_in_dynamo
 from .batch_norm import convert_batch_norm
 from .carry import hook_outputs
 from .copies import CopiesModule
+from .copying import copy_to, warn_gradient_hooks
 from .plain_optimizer import register_copies
-from .structure import CHANGES, copy_to, expose, warn_gradient_hooks, watch
+from .structure import CHANGES, expose, watch
 
 if TYPE_CHECKING:
     from mirrored import ReplicaContext, Strategy
@@ -388,9 +389,7 @@ def mirror(strategy: Strategy, module: nn.Module, *,
         module = convert_batch_norm(module)
     if strategy.num_replicas_in_sync > 1:
         warn_gradient_hooks(module)
-    copies = [module.to(devices[0])]
-    for device in devices[1:]:
-        copies.append(copy_to(module, device))
+    copies = [module.to(devices[0]), *(copy_to(module, device) for device in devices[1:])]
     calls = None if compiler is None else tuple(compiler(c) for c in copies)
     register_copies(copies, strategy)  # (a plain optimizer over them is refused)
     mirrored = MirroredModule(strategy, tuple(copies), sync_batch_norm=sync_batch_norm,

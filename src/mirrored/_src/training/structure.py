@@ -32,9 +32,7 @@ from the last full check; after `LAYOUT`, it walks every copy's modules once.
 
 from __future__ import annotations
 
-import copy
 import threading
-import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -42,14 +40,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
-from torch.nn.utils import parametrize
 
-from ..collectives.call import user_stacklevel
-from ..errors import GradientHookWarning
+from .. import context
 from .plain_optimizer import register_copies
 
-__all__ = ["CHANGES", "LAYOUT", "check_copies", "check_module", "copy_to", "expose",
-           "frozen_message", "watch"]
+__all__ = ["CHANGES", "LAYOUT", "check_copies", "check_module", "expose", "frozen_message",
+           "watch"]
 
 CHANGES = [0]  # bumped when code outside run may have changed one copy
 LAYOUT = [0]  # bumped when a parameter or module was registered on a copy's module
@@ -67,50 +63,6 @@ def _registered(module: nn.Module, name: str, value: Any) -> None:
     if ref is not None and ref() is module:
         LAYOUT[0] += 1
         CHANGES[0] += 1
-
-
-def copy_to(module: nn.Module, device: torch.device) -> nn.Module:
-    """A copy of ``module`` on ``device`` (a replica's), with the hooks its parameters
-    and buffers had (``tensor.register_hook``, which ``copy.deepcopy`` drops: a
-    gradient scaled by a hook on one device is scaled on every replica)."""
-    other = copy.deepcopy(module).to(device)
-    for t0, t in zip([*module.parameters(), *module.buffers()],
-                     [*other.parameters(), *other.buffers()], strict=True):
-        for hook in (t0._backward_hooks or {}).values():
-            if t.requires_grad:
-                t.register_hook(hook)  # type: ignore[no-untyped-call]
-    for m in other.modules():
-        if parametrize.is_parametrized(m):
-            _own_parametrized_class(m)
-    return other
-
-
-def warn_gradient_hooks(module: nn.Module) -> None:
-    """Warns (`GradientHookWarning`) if parameters of ``module``, mirrored on several
-    replicas, have gradient hooks: each runs on its replica's local gradient."""
-    hooked = [name for name, p in module.named_parameters() if p._backward_hooks]
-    if hooked:
-        more = f" (and {len(hooked) - 1} more)" if len(hooked) > 1 else ""
-        warnings.warn(GradientHookWarning(
-            f"mirror(strategy, module): parameter {hooked[0]!r}{more} has gradient hooks "
-            "(Tensor.register_hook), which run on each replica's local gradient before the "
-            "step's all-reduce, where one device runs them on the whole batch's gradient: "
-            "a hook linear in the gradient (g * s) gives one device's result, any other "
-            "(g.clamp(-c, c), g.sign(), a normalisation) trains a different model. Clip "
-            "with optimizer.step(clip_grad_value=c) or step(clip_grad_norm=c) instead; for "
-            "linear hooks, silence this with warnings.filterwarnings('ignore', "
-            "category=mirrored.GradientHookWarning)"), stacklevel=user_stacklevel())
-
-
-def _own_parametrized_class(module: nn.Module) -> None:
-    """Gives a deep copy of a parametrized module a class of its own. ``deepcopy``
-    keeps the original's, whose properties key ``parametrize.cached()``'s cache by
-    the *original* module: under ``cached()`` every copy then read the tensor the
-    first replica computed, and its backward went into that replica's gradients."""
-    module.__class__ = type(module).__bases__[0]
-    parametrize._inject_new_class(module)  # (torch's own, as register_parametrization)
-    for name in list(module.parametrizations):  # type: ignore[arg-type]
-        parametrize._inject_property(module, name)
 
 
 def watch(module: Any) -> None:
@@ -207,14 +159,15 @@ def check_module(module: Any, *, full: bool = False) -> None:
                     "the values into each copy (p.copy_(t))")
     mods = module.__dict__["_modules"]  # train / eval set through a submodule: replica 0's
     seen = module.__dict__.pop("_plain_seen", None)
-    if seen is not None and len(seen) != len(mods[0]):
+    if seen is not None and any(len(s) != len(mods[0]) for s in seen):
         seen = None
-    for copy_modules in mods[1:]:
+    for k, copy_modules in enumerate(mods[1:], start=1):
         for i, (m0, m) in enumerate(zip(mods[0], copy_modules, strict=True)):
             if m.training != m0.training:
                 m.training = m0.training
             if seen is not None:
-                _plain_state(seen[i], m0, m)
+                _plain_state(seen[0][i][0], seen[k][i][0], m0, m)
+                _buffer_state(seen[0][i][1], seen[k][i][1], m0, m)
     if module.__dict__["_lazy"]:  # initialized since (each copy by its own forward)
         _initialize(named, module.__dict__["_lazy"])
         module.__dict__["_lazy"] = {name for name, p in first if is_lazy(p)}
@@ -227,42 +180,81 @@ _IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, to
 def expose(module: Any, outside_run: bool) -> None:
     """Replica 0's copy of mirrored ``module`` is handed out outside ``run``: the next
     run checks the copies, and gives the others what changes in replica 0's plain
-    attributes until then (`_plain_state`), from a record of them taken now."""
+    attributes until then (`_plain_state`), from a record of every copy's taken now
+    (not while a run is in flight: a ``merge_fn`` sees replica 0's copy mid-run)."""
     if not outside_run:
         return
     CHANGES[0] += 1
     own = module.__dict__
-    if own.get("_plain_seen") is None and "_modules" in own and len(own["_copies"]) > 1:
-        own["_plain_seen"] = [_plain(m) for m in own["_modules"][0]]
+    if (own.get("_plain_seen") is None and "_modules" in own and len(own["_copies"]) > 1
+            and not context.run_in_flight(own["_strategy"])):
+        own["_plain_seen"] = [[(_plain(m), _versions(m)) for m in mods]
+                              for mods in own["_modules"]]
 
 
 def _plain(module: nn.Module) -> dict[str, Any]:
-    return {name: value for name, value in module.__dict__.items()
-            if name not in _TORCH_OWN and _immutable(value)}
+    return {name: value for name, value in module.__dict__.items() if name not in _TORCH_OWN}
 
 
-def _plain_state(before: dict[str, Any], first: nn.Module, other: nn.Module) -> None:
+_GONE = object()
+
+
+def _plain_state(before: dict[str, Any], theirs_before: dict[str, Any], first: nn.Module,
+                 other: nn.Module) -> None:
     """Gives ``other`` the plain attributes of immutable values (None, numbers, strings,
     tuples of them) that replica 0's ``first`` changed outside ``run`` since ``before``
-    was recorded: a method of the user's module called through the mirrored model there
-    (``model.reset_state()``) ran on replica 0's copy alone. Set in ``run``: kept."""
-    now, theirs = _plain(first), other.__dict__
-    for name, value in now.items():
-        if name not in before or not _same(before[name], value):
-            theirs[name] = value
-    for name in before.keys() - now.keys():
-        if name not in first.__dict__:  # (deleted on replica 0's copy)
+    was recorded, where ``other``'s are as ``theirs_before`` recorded: a method of the
+    user's module called through the mirrored model there (``model.reset_state()``)
+    ran on replica 0's copy alone. One a copy set itself (in ``run``, or through
+    ``model.replicas``) is its own, and kept; tensors and other objects are not copied."""
+    now, theirs = first.__dict__, other.__dict__
+    for name in (now.keys() | before.keys()) - _TORCH_OWN:
+        value = now.get(name, _GONE)
+        if (_same(before.get(name, _GONE), value) or not _immutable(value)
+                or not _same(theirs_before.get(name, _GONE), theirs.get(name, _GONE))):
+            continue  # (unchanged on replica 0, not plain, or changed on this copy)
+        if value is _GONE:  # (deleted on replica 0's copy)
             theirs.pop(name, None)
+        else:
+            theirs[name] = value
+
+
+def _versions(module: nn.Module) -> dict[str, tuple[torch.Tensor, int]]:
+    return {name: (t, t._version) for name, t in module._buffers.items() if t is not None}
+
+
+def _buffer_state(before: dict[str, tuple[torch.Tensor, int]],
+                  theirs_before: dict[str, tuple[torch.Tensor, int]], first: nn.Module,
+                  other: nn.Module) -> None:
+    """Gives ``other`` the buffers that replica 0's ``first`` changed outside ``run``
+    (written in place, or replaced) since ``before`` was recorded, where ``other``'s
+    are as ``theirs_before`` recorded (``model.reset_state()`` zeroing an EMA,
+    ``reset_running_stats()`` on a submodule): else the next step averaged replica
+    0's reset value with the others' old one. A buffer added, or written through
+    ``.data`` (torch's version counter does not move), is left alone."""
+    for name, t in first._buffers.items():
+        was, mine = before.get(name), other._buffers.get(name)
+        if t is None or mine is None or (was is not None and was[0] is t
+                                         and was[1] == t._version):
+            continue
+        kept = theirs_before.get(name)
+        if kept is None or kept[0] is not mine or kept[1] != mine._version:
+            continue  # (changed on this copy too: its own)
+        if mine.shape == t.shape and mine.dtype == t.dtype:
+            with torch.no_grad():
+                mine.copy_(t)
+        else:
+            other._buffers[name] = t.detach().to(mine.device, copy=True)
 
 
 def _immutable(value: Any) -> bool:
     if isinstance(value, tuple | frozenset):
         return all(_immutable(v) for v in value)
-    return isinstance(value, _IMMUTABLE)
+    return value is _GONE or isinstance(value, _IMMUTABLE)
 
 
 def _same(a: Any, b: Any) -> bool:
-    return a is b or (type(a) is type(b) and bool(a == b))
+    return a is b or (type(a) is type(b) and _immutable(a) and bool(a == b))
 
 
 def _current(named: list[list[tuple[str, nn.Parameter]]],

@@ -1,0 +1,240 @@
+"""Buffers and plain attributes in the ways real modules hold them: buffers that are
+``None`` (InstanceNorm without running statistics, a mask set later), updated
+through ``.data`` or by assignment, reset outside ``run`` by a method of the module,
+per-copy attributes set through ``model.replicas`` or inside a ``merge_fn``; each
+against a one-device reference or the value the copy set itself."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import mirrored
+from mirrored._src.training.buffers import BufferSync, other_buffers, weighted_statistics
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def two() -> Iterator[mirrored.MirroredStrategy]:
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    yield strategy
+    strategy.close()
+
+
+def halves(two: mirrored.MirroredStrategy, t: torch.Tensor) -> object:
+    return two.experimental_distribute_values_from_function(
+        lambda c: t.chunk(2)[c.replica_id_in_sync_group])
+
+
+def train(two: mirrored.MirroredStrategy, make: type[nn.Module], steps: int = 3,
+          between: str = "") -> tuple[mirrored.MirroredModule, nn.Module]:
+    """Trains ``make()`` mirrored on two replicas (sync BatchNorm) and on one device
+    (SGD, equal halves of 8 rows), calling method ``between`` of both outside ``run``
+    after each step."""
+    torch.manual_seed(0)
+    model = two.mirror(make(), sync_batch_norm=True)
+    torch.manual_seed(0)
+    reference = make()
+    opt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+
+    def step(x: torch.Tensor) -> None:
+        opt.zero_grad()
+        mirrored.compute_average_loss(model(x).pow(2).flatten(1).sum(1)).backward()
+        opt.step()
+
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(8, 2, 6, generator=g, dtype=torch.float64)
+        two.run(step, args=(halves(two, x),))
+        ref_opt.zero_grad()
+        reference(x).pow(2).flatten(1).sum(1).mean().backward()
+        ref_opt.step()
+        if between:
+            getattr(model, between)()
+            getattr(reference, between)()
+    return model, reference
+
+
+def assert_as_reference(model: mirrored.MirroredModule, reference: nn.Module) -> None:
+    want = reference.state_dict()
+    for copy_ in model.replicas:
+        got = copy_.state_dict()
+        assert got.keys() == want.keys()
+        for name, t in want.items():
+            torch.testing.assert_close(got[name], t, rtol=1e-12, atol=1e-12, msg=name)
+
+
+class Instance(nn.Module):
+    """InstanceNorm by default: its three buffers are registered as None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(2, 3, 3)
+        self.norm = nn.InstanceNorm1d(3, affine=True)
+        self.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.conv(x))  # type: ignore[no-any-return]
+
+
+def test_instance_norm_without_running_statistics_trains_as_one_device(two) -> None:
+    # With no other buffer, every step raised IndexError: the buffer rule found only
+    # None buffers and indexed the first.
+    model, reference = train(two, Instance)
+    assert_as_reference(model, reference)
+
+
+class LaterMask(nn.Module):
+    """A buffer registered as None and set from the second forward on, beside an EMA."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(2, 1, 3).double()
+        self.register_buffer("mask", None)
+        self.register_buffer("ema", torch.zeros(6, dtype=torch.float64))
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 2:
+            self.mask = torch.full((4,), 0.5, dtype=torch.float64)
+        with torch.no_grad():
+            self.ema.mul_(0.5).add_(x.mean((0, 1)), alpha=0.5)
+        out = self.conv(x)
+        return out * self.mask if self.mask is not None else out
+
+
+def test_a_buffer_set_after_the_first_step_keeps_the_rule_aligned(two) -> None:
+    # The rule kept one entry per buffer at the start, one per non-None buffer after a
+    # step: the buffer set later put them out of line, and the step raised.
+    model, reference = train(two, LaterMask, steps=4)
+    assert_as_reference(model, reference)
+
+
+class DataEma(nn.Module):
+    """An EMA buffer updated as EMA codebooks do: through ``.data`` (torch's version
+    counter does not move), in place, or by assignment."""
+
+    style = "data"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(2, 1, 3).double()
+        self.register_buffer("ema", torch.zeros(6, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        update = x.mean((0, 1)).detach()
+        if self.style == "data":
+            self.ema.data.mul_(0.5).add_(update, alpha=0.5)
+        elif self.style == "in place":
+            with torch.no_grad():
+                self.ema.mul_(0.5).add_(update, alpha=0.5)
+        else:
+            self.ema = 0.5 * self.ema + 0.5 * update
+        return self.conv(x)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("style", ["data", "in place", "assigned"])
+def test_an_ema_updated_through_data_is_averaged_as_one_device(two, style: str,
+                                                               monkeypatch) -> None:
+    # Through .data the version counter stayed, the buffer read as unchanged and was
+    # never averaged: each copy kept its own half's EMA, silently.
+    monkeypatch.setattr(DataEma, "style", style)
+    model, reference = train(two, DataEma)
+    assert_as_reference(model, reference)
+    assert torch.equal(model.replicas[0].ema, model.replicas[1].ema)
+
+
+class Resettable(nn.Module):
+    """An EMA buffer, a BatchNorm and a counter, all reset by `reset_state`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(2, 2, 3)
+        self.bn = nn.BatchNorm1d(2)
+        self.register_buffer("ema", torch.zeros(6))
+        self.seen = 0
+        self.double()
+
+    def reset_state(self) -> None:
+        self.ema.zero_()
+        self.bn.reset_running_stats()
+        self.seen = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += 1
+        with torch.no_grad():
+            self.ema.mul_(0.5).add_(x.mean((0, 1)), alpha=0.5)
+        return self.bn(self.conv(x))  # type: ignore[no-any-return]
+
+
+def test_buffers_a_method_resets_outside_run_are_reset_on_every_copy(two) -> None:
+    # The method runs on replica 0's copy alone; its zeros were averaged with the
+    # other copies' old values at the next step (an EMA and BatchNorm statistics at
+    # half their reset), silently.
+    model, reference = train(two, Resettable, between="reset_state")
+    two.run(lambda: None)  # (the last reset reaches the copies here)
+    assert_as_reference(model, reference)
+    assert [c.seen for c in model.replicas] == [0, 0]
+
+
+class Sharded(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 1)
+        self.shard: int | None = None
+        self.rows = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.rows += x.shape[0]
+        return self.linear(x)  # type: ignore[no-any-return]
+
+
+def test_a_value_set_per_copy_through_replicas_is_kept(two) -> None:
+    # A record of replica 0's attributes taken before (any use of the model outside
+    # run) made the next run give every copy replica 0's value.
+    model = two.mirror(Sharded())
+    assert sum(p.numel() for p in model.parameters()) == 3  # (replica 0's copy: a record)
+    for k, copy_ in enumerate(model.replicas):
+        copy_.shard = k
+    got = two.run(lambda: model.shard)
+    assert two.experimental_local_results(got) == (0, 1)
+    assert [c.shard for c in model.replicas] == [0, 1]
+
+
+def test_a_merge_fn_reading_the_model_takes_no_record_mid_run(two) -> None:
+    # The merge_fn sees replica 0's copy, as code outside run does; the record it took
+    # made the next run copy replica 0's count (set after the merge) to the others.
+    model = two.mirror(Sharded())
+
+    def step(x: torch.Tensor) -> None:
+        mirrored.get_replica_context().merge_call(
+            lambda strategy: sum(p.numel() for p in model.parameters()))
+        model(x)
+
+    x = torch.randn(5, 2)
+    two.run(step, args=(mirrored.PerReplica([x[:3], x[3:]]),))
+    two.run(lambda: None)
+    assert [c.rows for c in model.replicas] == [3, 2]
+    model.shard = 7  # (assigned on the mirrored model: every copy)
+    model.replicas[1].rows = 9  # (this copy's own, set after a record is taken)
+    two.run(lambda: None)
+    assert [(c.shard, c.rows) for c in model.replicas] == [(7, 3), (7, 9)]
+
+
+def test_flags_and_weights_count_in_float32_whatever_the_buffers_dtype() -> None:
+    # They took the first float buffer's dtype: in bfloat16 a sum of ones stops at 256,
+    # so on 260 replicas the average divided by 256.
+    module = nn.Module()
+    module.register_buffer("tag", torch.zeros(1, dtype=torch.bfloat16))
+    module.register_buffer("ema", torch.zeros(2))
+    flags = BufferSync("average", other_buffers(module), 260).send(0)[-1]
+    assert flags.dtype == torch.float32
+    weight = weighted_statistics([torch.zeros(2, dtype=torch.bfloat16)], 1)[-1]
+    assert weight.dtype == torch.float32
+    assert float(sum(weight for _ in range(260))) == 260.0

@@ -238,3 +238,73 @@ def test_flags_and_weights_count_in_float32_whatever_the_buffers_dtype() -> None
     weight = weighted_statistics([torch.zeros(2, dtype=torch.bfloat16)], 1)[-1]
     assert weight.dtype == torch.float32
     assert float(sum(weight for _ in range(260))) == 260.0
+
+
+class NanTable(nn.Module):
+    """A constant lookup table in which NaN marks "no value"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(2, 1, 3)
+        table = torch.randn(600)
+        table[::7] = float("nan")
+        self.register_buffer("table", table)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x.float()) * self.table[:4].nan_to_num()  # type: ignore[no-any-return]
+
+
+def test_a_constant_buffer_holding_nan_stays_bitwise_constant() -> None:
+    # Compared as floats, NaN != NaN read as a change at every step: the buffer was
+    # averaged, and (x + x + x) / 3 moved 139 of its other values by an ulp in 20 steps.
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2"])
+    try:
+        torch.manual_seed(0)
+        model = strategy.mirror(NanTable())
+        initial = model.replicas[0].table.clone()
+        opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+
+        def step(x: torch.Tensor) -> None:
+            opt.zero_grad()
+            mirrored.compute_average_loss(model(x).pow(2).flatten(1).sum(1)).backward()
+            opt.step()
+
+        x = torch.randn(6, 2, 6)
+        parts = strategy.experimental_distribute_values_from_function(
+            lambda c: x.chunk(3)[c.replica_id_in_sync_group])
+        for _ in range(10):
+            strategy.run(step, args=(parts,))
+        for copy_ in model.replicas:
+            assert torch.equal(copy_.table.view(torch.int32), initial.view(torch.int32))
+    finally:
+        strategy.close()
+
+
+@pytest.mark.parametrize("change", ["load_state_dict", "apply", "setattr"])
+def test_a_reset_after_a_change_of_every_copy_reaches_every_copy(two, change: str) -> None:
+    # A record taken before (the parameters counted) saw every copy's buffer and
+    # attribute move with the whole-model change, took them for each copy's own, and
+    # left the reset on replica 0's copy: its zeros averaged with the others' old EMA.
+    torch.manual_seed(0)
+    model = two.mirror(Resettable(), sync_batch_norm=True)
+    torch.manual_seed(0)
+    reference = Resettable()
+    sd = {k: v + 1 if v.is_floating_point() else v for k, v in reference.state_dict().items()}
+    for m in (model, reference):
+        for _ in range(2):
+            m(torch.randn(4, 2, 6, dtype=torch.float64))  # (some state to roll back)
+    assert sum(p.numel() for p in model.parameters()) > 0  # (replica 0's copy: a record)
+    for m in (model, reference):
+        if change == "load_state_dict":
+            m.load_state_dict(sd)
+        elif change == "apply":
+            m.apply(lambda mod: mod.ema.fill_(3.0) if isinstance(mod, Resettable) else None)
+        else:
+            m.seen = 5
+        m.reset_state()
+    two.run(lambda: None)
+    for copy_ in model.replicas:
+        torch.testing.assert_close(copy_.ema, reference.ema, rtol=0, atol=0)
+        torch.testing.assert_close(copy_.bn.running_mean, reference.bn.running_mean,
+                                   rtol=0, atol=0)
+        assert copy_.seen == reference.seen == 0

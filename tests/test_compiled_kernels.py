@@ -161,6 +161,49 @@ def test_user_code_that_dynamo_runs_while_tracing_may_wait_for_another_replica()
     assert got[0].tolist() == [2.0, 2.0]
 
 
+@pytest.mark.timeout(60)
+def test_a_long_compile_keeps_the_baton_and_a_raw_wait_in_user_code_does_not() -> None:
+    # Kept at most a fixed time, a compile longer than that was repeated by every
+    # replica; kept without bound, user code that Dynamo runs waiting on a raw lock
+    # for another replica hung. Now: kept while the compiling thread computes.
+    from mirrored._src.runtime import watchdog
+
+    compiles, gate = [], threading.Lock()
+    gate.acquire()
+
+    def busy_backend(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> object:
+        compiles.append(threading.current_thread().name)
+        end = time.monotonic() + 2 * watchdog.USER_WINDOW
+        while time.monotonic() < end:  # (a compile that computes: a custom backend)
+            sum(range(1000))
+        return gm.forward
+
+    @torch.compiler.assume_constant_result
+    def opened() -> float:
+        return 2.0 if gate.acquire(timeout=10) else -1.0
+
+    busy = torch.compile(lambda x: (x * 2).sin().sum(), backend=busy_backend)
+    waiting = torch.compile(lambda x: x * opened(), backend="eager")
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    x = torch.ones(2)
+
+    def step(fn: object) -> torch.Tensor:
+        if mirrored.get_replica_context().replica_id_in_sync_group == 1:
+            gate.release() if fn is waiting else None
+            return x
+        return fn(x)  # type: ignore[operator,no-any-return]
+
+    try:
+        strategy.run(step, args=(busy,))
+        assert len(compiles) == 1, compiles
+        start = time.monotonic()
+        got = strategy.experimental_local_results(strategy.run(step, args=(waiting,)))
+    finally:
+        strategy.close()
+    assert got[0].tolist() == [2.0, 2.0]
+    assert time.monotonic() - start < 5 * watchdog.USER_WINDOW + 3
+
+
 def test_an_import_callback_leaves_a_custom_importer_its_modules() -> None:
     # The finder removed itself from sys.meta_path while the import system iterated
     # it, so the finder after it was skipped: a module only a custom importer provides

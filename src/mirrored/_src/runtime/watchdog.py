@@ -26,10 +26,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["COMPILE_GRACE", "IDLE_TICKS", "TICK", "Watchdog"]
+__all__ = ["COMPILE_GRACE", "IDLE_TICKS", "TICK", "USER_WINDOW", "Watchdog"]
 
 TICK = 0.01  # seconds between two looks at a baton run
-COMPILE_GRACE = 60.0  # seconds a compile may keep the baton without handing it over
+COMPILE_GRACE = 600.0  # seconds a compile may keep the baton without handing it over
+USER_WINDOW = 1.0  # seconds over which user code run by a compile must use some CPU
 IDLE_TICKS = 5  # looks at no baton run before the thread sleeps without a timeout
 
 
@@ -75,14 +76,23 @@ class Watchdog:
                 return
             last: int | None = None
             idle = 0
-            since = 0.0  # (when the baton last changed hands, or this look began)
+            since = 0.0  # (when the baton last changed hands)
+            mark: tuple[float, float] | None = None  # (CPU seconds, when): user code
             while not self._stop.acquire(timeout=TICK):
                 in_flight, progress = self._state()
                 if in_flight:
                     idle = 0
                     if progress != last:
-                        last, since = progress, time.monotonic()
-                    elif not _compiling() or time.monotonic() - since > COMPILE_GRACE:
+                        last, since, mark = progress, time.monotonic(), None
+                        continue
+                    compiling, cpu = _compiling()
+                    now = time.monotonic()
+                    # (user code run by the compile: kept while it computes)
+                    if compiling and cpu is not None and (
+                            mark is None or now - mark[1] >= USER_WINDOW):
+                        idle_user = mark is not None and cpu - mark[0] < USER_WINDOW / 20
+                        compiling, mark = not idle_user, (cpu, now)
+                    if not compiling or now - since > COMPILE_GRACE:
                         self._stalled()
                         last = None
                     continue
@@ -109,49 +119,60 @@ class Watchdog:
             thread.join(timeout)
 
 
-def _compiling() -> bool:
-    """Whether some thread holds Dynamo's compile lock and runs torch's code (never
-    imports Dynamo).
+def _compiling() -> tuple[bool, float | None]:
+    """Whether some thread compiles with Dynamo (holds its compile lock; never imports
+    Dynamo), and the CPU seconds that thread has used if it runs user code there.
 
     A replica compiling a function (``torch.compile``'s first call) does not end the
     baton: the others would enter the same function while the cache is still empty
     and each compile it again (Dynamo takes the cache entry before its lock), each
     counting towards its recompile limit (8 replicas made 8 compiles: the limit).
-    Run after it, they find the compiled code. But user code that Dynamo runs while
-    it traces (``assume_constant_result``, a custom op's fake implementation) waiting
-    in ``threading`` or ``queue`` gets the ordinary rule: kept, a wait there for
-    another replica hung. Any other wait (a raw lock) ends the baton after
-    `COMPILE_GRACE` seconds without a hand-over."""
+    Run after it, they find the compiled code. While torch's code compiles (also
+    waiting for Inductor's compile workers or the C++ compiler) the baton stays, up to
+    `COMPILE_GRACE` seconds. User code that Dynamo runs there (a custom backend,
+    ``assume_constant_result``, a fake implementation) keeps it while it computes:
+    one waiting in ``threading`` or ``queue``, or using under 5 % of a CPU over
+    `USER_WINDOW` seconds (a raw lock), may wait for another replica, which the baton
+    would keep from running (it hung)."""
     convert_frame = sys.modules.get("torch._dynamo.convert_frame")
     lock = getattr(convert_frame, "compile_lock", None)
     if lock is None:
-        return False
-    if not lock.acquire(blocking=False):
-        return not _user_code_compiling(convert_frame.__file__)  # type: ignore[union-attr]
-    lock.release()
-    return False
+        return False, None
+    if lock.acquire(blocking=False):
+        lock.release()
+        return False, None
+    found = _compiling_thread(convert_frame.__file__)  # type: ignore[union-attr]
+    if found is None:
+        return True, None
+    ident, user, waits = found
+    if not user:
+        return True, None
+    if waits:
+        return False, None
+    try:
+        return True, time.clock_gettime(time.pthread_getcpuclockid(ident))
+    except (AttributeError, OSError):  # (no per-thread CPU clock: kept, up to the grace)
+        return True, None
 
 
 _STDLIB = os.path.dirname(threading.__file__) + os.sep
 
 
-def _user_code_compiling(convert_frame: str | None) -> bool:
-    """Whether the thread inside Dynamo's ``convert_frame`` waits in ``threading`` or
-    ``queue`` called from code that is not torch's (its innermost frame outside the
-    standard library is outside torch): user code that Dynamo runs at trace time and
-    that waits for another replica. (A wait torch's code makes, as Inductor's for its
-    compile workers, or user code computing, such as a custom backend, is compiling.)"""
+def _compiling_thread(convert_frame: str | None) -> tuple[int, bool, bool] | None:
+    """``(ident, user, waits)`` of the thread inside Dynamo's ``convert_frame``: its
+    innermost frame outside the standard library is not torch's (``user``), and its
+    top frame is a wait in ``threading`` or ``queue`` (``waits``)."""
     torch_dir = os.path.dirname(getattr(sys.modules.get("torch"), "__file__", "") or "")
-    for top in sys._current_frames().values():
+    for ident, top in sys._current_frames().items():
         frame: Any = top
-        waits = os.path.basename(top.f_code.co_filename) in ("threading.py", "queue.py")
         innermost = None
         while frame is not None:
             name = frame.f_code.co_filename
             if innermost is None and not (name.startswith(_STDLIB) and "-packages" not in name):
                 innermost = name
             if name == convert_frame:
-                return waits and not innermost.startswith(  # type: ignore[union-attr]
-                    torch_dir + os.sep)
+                waits = os.path.basename(top.f_code.co_filename) in ("threading.py", "queue.py")
+                user = not innermost.startswith(torch_dir + os.sep)  # type: ignore[union-attr]
+                return ident, user, waits
             frame = frame.f_back
-    return False
+    return None

@@ -106,7 +106,7 @@ class BufferSync:
         else:  # (no device sync, no copy from the host)
             out.append(torch.stack([
                 *(torch.ones((), device=device) if last is None or not _alike(t, last)
-                  else (t != last).any().float() for t, last in pairs),
+                  else (_bits(t) != _bits(last)).any().float() for t, last in pairs),
                 torch.full((), float(weight), device=device)]))
         return out
 
@@ -114,12 +114,15 @@ class BufferSync:
         """Copies the all-reduced values into this replica's buffers that some replica
         changed since the last step."""
         *totals, flags = sums
+        taken = [] if flags.is_cpu else self._sent  # (the buffers a replica changed)
         with torch.no_grad():
             if flags.is_cpu:
                 *changed, weight = flags.tolist()
-                for t, total, c in zip(self._current, totals, changed, strict=True):
+                for k, t, total, c in zip(self._sent, self._current, totals, changed,
+                                          strict=True):
                     if c == 0:
                         continue
+                    taken.append(k)
                     if self.rule == "average" and t.is_floating_point():
                         if weight == 0:  # (every replica's batch empty: nothing to take)
                             continue
@@ -133,8 +136,8 @@ class BufferSync:
                         take = take & (weight > 0)
                         total = total / weight
                     t.copy_(torch.where(take, total.to(t.dtype), t))
-        for k, t in zip(self._sent, self._current, strict=True):
-            self._last[k] = _snapshot(t, self._last[k])
+        for k in taken:  # (unchanged ones equal their copy already)
+            self._last[k] = _snapshot(self.owners[k][0]._buffers[self.owners[k][1]], self._last[k])
         self._current = []
 
     def fingerprinted(self) -> list[tuple[str, torch.Tensor]]:
@@ -218,8 +221,20 @@ def _alike(t: torch.Tensor, last: torch.Tensor) -> bool:
 
 
 def _same(t: torch.Tensor, last: torch.Tensor | None) -> bool:
-    """Whether buffer ``t`` holds the value ``last`` recorded (NaN never does)."""
-    return last is not None and _alike(t, last) and torch.equal(t, last)
+    """Whether buffer ``t`` holds the value ``last`` recorded, bit for bit (a NaN equals
+    itself: compared as floats, a constant buffer with a NaN read as changed at every
+    step, and averaging moved its other values by an ulp)."""
+    return last is not None and _alike(t, last) and torch.equal(_bits(t), _bits(last))
+
+
+_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bit patterns as integers (floating point and complex), else ``t``."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t.view(_INTS[t.element_size()]) if t.is_floating_point() else t
 
 
 def _snapshot(t: torch.Tensor | None, last: torch.Tensor | None) -> torch.Tensor | None:

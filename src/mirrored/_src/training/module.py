@@ -166,8 +166,9 @@ class MirroredModule(CopiesModule):
 
     def _targets(self) -> tuple[nn.Module, ...]:
         index = self._index()
-        if index is None:
+        if index is None:  # (every copy changes: a pending record would call it theirs)
             CHANGES[0] += 1
+            self.__dict__.pop("_plain_seen", None)
             return self._copies
         return (self._copies[index],)
 

@@ -289,3 +289,45 @@ def test_a_plain_optimizer_over_the_mirrored_model_is_refused_on_every_worker():
         assert "strategy.mirror_optimizer(model, lambda params: torch.optim.SGD(" in (
             result["error"])
         assert result["unchanged"]
+
+
+class _WithLargeBuffers(nn.Module):
+    """The CNN beside a large buffer written through ``.data`` at every forward and a
+    large constant one (both over `LATE_BYTES`: their values follow the flags)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.register_buffer("ema", torch.zeros(20000, dtype=torch.float64))
+        self.register_buffer("mask", torch.ones(20000, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.ema.data.mul_(0.5).add_(self.mask, alpha=0.25)
+        return self.model(x)  # type: ignore[no-any-return]
+
+
+def _worker_large_buffers(local: int) -> dict[str, list]:
+    strategy = mirrored.MultiWorkerMirroredStrategy(
+        communication_options=CommunicationOptions(timeout_seconds=30),
+        devices=[f"CPU:{i}" for i in range(local)])
+    try:
+        state = train_digits_like(strategy, STEPS,
+                                  model_fn=lambda: _WithLargeBuffers(cnn()))
+    finally:
+        strategy.close()
+    return {k: v.tolist() for k, v in state.items()}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("local", [1, 2])
+def test_large_buffers_follow_the_flags_across_workers(local):
+    results = mirrored.testing.run_multi_process(_worker_large_buffers, 2, args=(local,),
+                                                 timeout=110)
+    expected = {f"model.{k}": v for k, v in train_reference(STEPS).items()}
+    ema = torch.zeros(20000, dtype=torch.float64)
+    for _ in range(STEPS):
+        ema.mul_(0.5).add_(torch.ones(20000, dtype=torch.float64), alpha=0.25)
+    expected.update(ema=ema, mask=torch.ones(20000, dtype=torch.float64))
+    for state in results:
+        _assert_close(state, expected)
+    assert results[0] == results[1]

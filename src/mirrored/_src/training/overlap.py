@@ -28,7 +28,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -38,7 +38,8 @@ from torch.autograd import Variable
 from ..comm import packing
 from ..reduce_op import ReduceOp
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "GradientBuckets", "Pending", "bucket_plan", "hidden_time"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "Finished", "GradientBuckets", "Pending", "bucket_plan",
+           "hidden_time"]
 
 # Each bucket is one more round trip, paid in CPU even when hidden: a model with fewer
 # gradient bytes than this is one bucket, which the reducer sends as without overlap
@@ -319,3 +320,13 @@ class GradientBuckets:
         with self._lock:
             self.verified = True
             self.armed = not (stale or accumulated)
+
+
+class Finished:
+    """`GradientBuckets.finish`'s result, handed to every replica as one object."""
+
+    def __init__(self, sums: list[list[torch.Tensor]], stale: bool, accumulated: bool) -> None:
+        self.sums, self.stale, self.accumulated = sums, stale, accumulated
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.sums, self.stale, self.accumulated))

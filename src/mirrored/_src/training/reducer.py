@@ -7,8 +7,9 @@ each replica's fingerprint of the copies (`check`), whether each replica called
 ``compute_average_loss`` and with which ``global_batch_size`` (different sizes
 raise before any gradient is used; no call on any replica warns, see
 `LossScalingWarning`), the BatchNorm statistics to average and the other buffers
-(`buffers`). The reduced gradients replace
-``.grad`` (views of the packed result, no copy).
+(`buffers`; large ones only as a flag, their values in a second all-reduce at a step
+that changed them). The reduced gradients replace ``.grad`` (views of the packed
+result, no copy).
 
 Under an elastic strategy (`mirrored.elastic`) the all-reduce also carries one
 presence slot per global replica, so that divisors and the copies' comparison count
@@ -19,7 +20,7 @@ that is not committed leaves no gradient and steps no optimizer.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -52,7 +53,7 @@ from .check import (
 from .gradient_watch import GradientWatch
 from .host_sum import HostSum
 from .module import MirroredModule
-from .overlap import GradientBuckets, bucket_plan
+from .overlap import Finished, GradientBuckets, bucket_plan
 from .plain_optimizer import subset_text
 from .structure import frozen_message
 
@@ -94,7 +95,8 @@ class GradientReducer:
                              "strategy (one all-reduce per step carries the commit vote's "
                              "inputs); leave overlap at its default")
         self._stats = tuple(module.averaged_buffers(r) for r in range(local))
-        self._sync = tuple(BufferSync(buffers, other_buffers(c), n) for c in module.replicas)
+        self._sync = tuple(BufferSync(buffers, other_buffers(c), n, defer=self._steps is None)
+                           for c in module.replicas)  # (elastic: one all-reduce per step)
         self._names = names + [name for name, _ in self._sync[0].fingerprinted()]
         if self._steps is not None:  # elastic: replica 0's worker may be missing
             self._sync[0].refuse_from_first(buffers)
@@ -146,15 +148,15 @@ class GradientReducer:
             # + this replica's stale and accumulated flags (see GradientBuckets)
             self._meta = tuple(torch.cat([m, m.new_zeros(2)]) for m in self._meta)
 
-    def _finish_buckets(self, r: int) -> _Finished:
+    def _finish_buckets(self, r: int) -> Finished:
         """Every local replica meets; the last to arrive finishes the buckets (the
         runtime's rendezvous: bounded, and aborted with the run; no merge_call, whose
         helper thread costs more than a small model's step)."""
         buckets = self.buckets
         assert buckets is not None  # callers check
 
-        def combine(payloads: Sequence[None]) -> list[_Finished]:
-            return [_Finished(*buckets.finish())] * len(payloads)
+        def combine(payloads: Sequence[None]) -> list[Finished]:
+            return [Finished(*buckets.finish())] * len(payloads)
 
         parts = self._parts
         call = CallSpec(self.label, "the gradient buckets", ("buckets", self.label))
@@ -298,6 +300,8 @@ class GradientReducer:
         if sends:
             sync.num_replicas = live or self._num_replicas
             sync.apply(reduced[n + 1 + len(stats):])
+            if late := sync.late():  # (large buffers some replica changed)
+                sync.apply_late(self._sum(ctx, late))
         if self._watch is not None:
             self._watch.clear(r)
         if width:
@@ -389,12 +393,3 @@ _NO_LOSS = (
     "already divided by the global batch size is right: silence this with "
     "warnings.filterwarnings('ignore', category=mirrored.LossScalingWarning)")
 
-
-class _Finished:
-    """`GradientBuckets.finish`'s result, handed to every replica as one object."""
-
-    def __init__(self, sums: list[list[torch.Tensor]], stale: bool, accumulated: bool) -> None:
-        self.sums, self.stale, self.accumulated = sums, stale, accumulated
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter((self.sums, self.stale, self.accumulated))

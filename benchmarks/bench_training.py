@@ -31,6 +31,10 @@ SGD, in examples per second, as ratios against baselines measured in the same ru
     against ``overlap=False`` (the in-process default), 2 replicas, with the
     share of the buckets' reduction time that ran during backward. No target:
     decides the default (``--overlap`` runs this part only).
+(f) buffers other than BatchNorm's (``mirror_optimizer(buffers="average")``, the
+    default), 2 replicas: the MLP beside 8 MiB of constant buffers and a small EMA
+    against the MLP alone (``--buffers`` runs this part only). No target: what a
+    transformer's registered masks and tables cost each step.
 
 Timings are medians over repeats; variants are interleaved so machine noise hits
 them alike ((a) and (d): several copies of each variant, per-round ratios with a
@@ -66,6 +70,23 @@ def make_mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
                          nn.Linear(HIDDEN, CLASSES))
+
+
+class WithBuffers(nn.Module):
+    """The MLP beside ``mib`` MiB of constant buffers (causal masks, rotary tables, as
+    transformers register them) and a small EMA of the input updated at every step."""
+
+    def __init__(self, mib: int) -> None:
+        super().__init__()
+        self.mlp = make_mlp()
+        for k in range(mib):
+            self.register_buffer(f"table{k}", torch.tril(torch.ones(512, 512)))
+        self.register_buffer("ema", torch.zeros(IN))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(x.mean(0), alpha=0.1)
+        return self.mlp(x)  # type: ignore[no-any-return]
 
 
 def make_batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,9 +180,10 @@ class Mirrored:
     """A mirrored training step on ``n`` logical CPU replicas, with optional phase timers."""
 
     def __init__(self, n: int, batch: int, *, one_thread: bool = False,
-                 timed: bool = False, **options: object) -> None:
+                 timed: bool = False, buffers_mib: int = 0, **options: object) -> None:
         self.strategy = mirrored.MirroredStrategy([f"CPU:{i}" for i in range(n)])
-        self.model = self.strategy.mirror(make_mlp())
+        self.model = self.strategy.mirror(WithBuffers(buffers_mib) if buffers_mib
+                                          else make_mlp())
         self.opt = self.strategy.mirror_optimizer(self.model, sgd, **options)
         (self.xy,) = list(self.strategy.experimental_distribute_dataset(
             [make_batch(batch)], mirrored.InputOptions(experimental_prefetch_depth=0)))
@@ -394,16 +416,36 @@ def bench_overlap(batches: list[int], repeats: int, inner: int) -> None:
     overlap_module.DEFAULT_BUCKET_BYTES = default_bytes
 
 
+def bench_buffers(batches: list[int], repeats: int) -> None:
+    print("(f) buffers other than BatchNorm's, 2 replicas, default options: the MLP "
+          "beside 8 MiB of constant buffers and a small EMA, against the MLP alone "
+          "(a constant buffer is compared at each step, never sent); 2 copies of "
+          "each, blocks of 8 steps in shuffled order; median [90 % CI] of per-round "
+          "ratios")
+    for batch in batches:
+        builders: dict[str, Callable[[], Callable[[], object]]] = {
+            "alone": functools.partial(Mirrored, 2, batch),
+            "8 MiB": functools.partial(Mirrored, 2, batch, buffers_mib=8)}
+        t = paired_rounds(builders, copies=2, rounds=repeats * 3, block=8)
+        m, lo, hi = t["8 MiB"]
+        print(f"  batch {batch:>3}: alone {t['alone'][0] * 1e6:.0f} us/step; with the "
+              f"buffers {m:+.1%} [{lo:+.1%}, {hi:+.1%}]")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few steps, for a smoke run")
     parser.add_argument("--overlap", action="store_true", help="part (e) only")
+    parser.add_argument("--buffers", action="store_true", help="part (f) only")
     args = parser.parse_args()
     quick = args.quick
     repeats, inner = (3, 10) if quick else (9, 60)
     batches = [64, 256]
     if args.overlap:
         bench_overlap(batches, repeats, inner)
+        return
+    if args.buffers:
+        bench_buffers(batches, repeats)
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
           f"{os.cpu_count()} CPUs")
@@ -412,6 +454,7 @@ def main() -> None:
     bench_four_replicas(batches, repeats, inner)
     bench_check(batches, repeats, inner)
     bench_overlap(batches, repeats, inner)
+    bench_buffers(batches, repeats)
 
 
 if __name__ == "__main__":

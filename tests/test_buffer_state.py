@@ -310,6 +310,29 @@ def test_a_reset_after_a_change_of_every_copy_reaches_every_copy(two, change: st
         assert copy_.seen == reference.seen == 0
 
 
+def watch_buffer_traffic(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[int]]:
+    """The sizes of the buffers' leaves sent in the steps' all-reduces, and per step and
+    replica the number of leaves of a second all-reduce (0: none)."""
+    sizes: list[int] = []
+    calls: list[int] = []
+    send, late = BufferSync.send, BufferSync.late
+
+    def sending(self: BufferSync, *args: object) -> list[torch.Tensor]:
+        out = send(self, *args)  # type: ignore[arg-type]
+        sizes.extend(t.numel() for t in out[:-1])
+        return out
+
+    def later(self: BufferSync) -> list[torch.Tensor]:
+        out = late(self)
+        sizes.extend(t.numel() for t in out)
+        calls.append(len(out))
+        return out
+
+    monkeypatch.setattr(BufferSync, "send", sending)
+    monkeypatch.setattr(BufferSync, "late", later)
+    return sizes, calls
+
+
 class Large(nn.Module):
     """A large EMA (over `LATE_BYTES`: sent after the flags) updated through ``.data``,
     beside a large constant mask and a small counter."""
@@ -334,17 +357,9 @@ def test_large_buffers_travel_only_when_changed_and_average_as_one_device(
     # rotary tables made a 1.3 ms step 17 ms. Large ones now send a flag, and their
     # values at a step that changed them, with the same average (empty shards left out).
     from mirrored._src.training import buffers
-    from mirrored._src.training.reducer import GradientReducer
 
     assert min(Large().ema.nbytes, Large().mask.nbytes) > buffers.LATE_BYTES
-    sizes: list[int] = []
-    summed = GradientReducer._sum
-
-    def counting(self: GradientReducer, ctx: object, leaves: list[torch.Tensor]) -> object:
-        sizes.extend(t.numel() for t in leaves)
-        return summed(self, ctx, leaves)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(GradientReducer, "_sum", counting)
+    sizes, calls = watch_buffer_traffic(monkeypatch)
     torch.manual_seed(0)
     model = two.mirror(Large())
     torch.manual_seed(0)
@@ -358,7 +373,7 @@ def test_large_buffers_travel_only_when_changed_and_average_as_one_device(
         opt.step()
 
     g = torch.Generator().manual_seed(1)
-    for rows in ([4, 4], [3, 0], [0, 2], [4, 4]):
+    for rows in ([4, 4], [3, 0], [0, 2], [4, 4]) * 3:
         x = torch.randn(sum(rows), 2, 6, generator=g, dtype=torch.float64)
         two.run(step, args=(mirrored.PerReplica(list(x.split(rows))),))
         ref_opt.zero_grad()
@@ -366,8 +381,103 @@ def test_large_buffers_travel_only_when_changed_and_average_as_one_device(
         ref_opt.step()
     for copy_ in model.replicas:
         torch.testing.assert_close(copy_.ema, reference.ema, rtol=1e-12, atol=1e-12)
-        assert int(copy_.calls) == 4  # (taken from replica 0: its own count of calls)
+        assert int(copy_.calls) == 12  # (taken from replica 0: its own count of calls)
         for a, b in zip(copy_.parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    assert sizes.count(12000 * 6) == 2 * 4  # (each replica, each step: it changed)
-    assert 300 * 300 not in sizes  # (never changed: never sent)
+    assert sizes.count(12000 * 6) == 2 * 12  # (each replica, each step: it changed)
+    # (sent with the flags until no replica changed it for QUIET_STEPS steps, never after)
+    assert sizes.count(300 * 300) == 2 * buffers.QUIET_STEPS
+    assert calls == [0] * 2 * 12  # (no second all-reduce: nothing deferred changed)
+
+
+class Alike(nn.Module):
+    """Buffers every replica updates alike (not from the data): one over `LATE_BYTES`
+    changed every third step, one small changed every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(2, 1, 3).double()
+        g = torch.Generator().manual_seed(5)
+        self.register_buffer("large", torch.rand(20000, generator=g))
+        self.register_buffer("small", torch.rand(100, generator=g, dtype=torch.bfloat16))
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls % 3 == 0:
+            self.large.data.mul_(0.9).add_(0.1)
+        self.small.data.mul_(0.9).add_(0.1)
+        return self.conv(x)  # type: ignore[no-any-return]
+
+
+def test_buffers_every_replica_updates_alike_stay_one_devices_on_three(monkeypatch) -> None:
+    # Averaged in float32, (y + y + y) / 3 is not always y: 10770 of 20000 elements
+    # moved off one device's in 10 steps. Averaged in float64 now. A buffer changed
+    # every few steps keeps riding with the flags (no second all-reduce per change).
+    _, calls = watch_buffer_traffic(monkeypatch)
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2"])
+    try:
+        model = strategy.mirror(Alike())
+        reference = Alike()
+        opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+
+        def step(x: torch.Tensor) -> None:
+            opt.zero_grad()
+            mirrored.compute_average_loss(model(x).pow(2).flatten(1).sum(1)).backward()
+            opt.step()
+
+        x = torch.randn(6, 2, 6, dtype=torch.float64)
+        parts = strategy.experimental_distribute_values_from_function(
+            lambda c: x.chunk(3)[c.replica_id_in_sync_group])
+        for _ in range(30):
+            strategy.run(step, args=(parts,))
+            reference(x)
+        for copy_ in model.replicas:
+            assert torch.equal(copy_.large, reference.large)
+            assert torch.equal(copy_.small, reference.small)
+    finally:
+        strategy.close()
+    assert calls == [0] * 3 * 30  # (no second all-reduce)
+
+
+class Quiet(nn.Module):
+    """A large table left alone for 10 steps, then changed by one replica."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(2, 1, 3).double()
+        self.register_buffer("table", torch.ones(30000))
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 11 and mirrored.get_replica_context().replica_id_in_sync_group == 0:
+            self.table.data[:10] = 4.0
+        return self.conv(x)  # type: ignore[no-any-return]
+
+
+def test_a_quiet_large_buffer_changed_again_follows_in_a_second_all_reduce(
+        two, monkeypatch) -> None:
+    from mirrored._src.training import buffers
+
+    sizes, calls = watch_buffer_traffic(monkeypatch)
+    model = two.mirror(Quiet())
+    opt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+
+    def step(x: torch.Tensor) -> None:
+        opt.zero_grad()
+        mirrored.compute_average_loss(model(x).pow(2).flatten(1).sum(1)).backward()
+        opt.step()
+
+    x = halves(two, torch.randn(4, 2, 6, dtype=torch.float64))
+    for _ in range(12):
+        two.run(step, args=(x,))
+    assert buffers.QUIET_STEPS < 10
+    assert calls == [0] * 2 * 10 + [1] * 2 + [0] * 2  # (step 11: the second all-reduce)
+    # (with the flags for QUIET_STEPS steps, then at step 11 after them; changed, it
+    # rides with the flags again at step 12)
+    assert sizes.count(30000) == 2 * (buffers.QUIET_STEPS + 2)
+    want = torch.ones(30000)
+    want[:10] = 2.5  # (4 + 1) / 2
+    for copy_ in model.replicas:
+        assert torch.equal(copy_.table, want)

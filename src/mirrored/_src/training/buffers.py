@@ -65,15 +65,24 @@ def other_buffers(module: nn.Module) -> list[tuple[nn.Module, str, str]]:
 
 
 LATE_BYTES = 64 * 1024  # a larger CPU buffer travels only at a step some replica changed it
+QUIET_STEPS = 8  # ... once no replica changed it for this many steps
+_WIDE = (torch.float16, torch.bfloat16, torch.float32)  # averaged in float64
 
 
 class BufferSync:
     """One replica's side of the buffer rule: what it sends, and how it applies the
     sums. ``owners`` are `other_buffers` of the replica's copy (a buffer may be
     ``None``, as InstanceNorm's are without running statistics: it is not sent).
-    ``defer``: a CPU buffer over `LATE_BYTES` rides only as its flag in the step's
-    all-reduce, and its values follow in a second one (`late`) at the steps some
-    replica changed it: a constant table or mask never travels."""
+    ``defer``: a CPU buffer over `LATE_BYTES` that no replica changed in the last
+    `QUIET_STEPS` steps rides only as its flag in the step's all-reduce, and its
+    values follow in a second one (`late`) at a step some replica changed it: a
+    constant table or mask stops travelling, and a buffer changed every step or
+    every few steps (an EMA) pays no second all-reduce. Every replica decides alike
+    (from the summed flags). Averages of float16, bfloat16 and float32 buffers are
+    taken in float64: a sum of N equal values is then exact, and the mean is the
+    value (in float32, ``(y + y + y) / 3`` is not always ``y``, so a buffer every
+    replica updated alike, as ``ema.mul_(0.9).add_(0.1)``, drifted from one
+    device's on 3 replicas)."""
 
     def __init__(self, rule: BufferRule, owners: Sequence[tuple[nn.Module, str, str]],
                  num_replicas: int, *, defer: bool = False) -> None:
@@ -87,22 +96,25 @@ class BufferSync:
         self._early: list[int] = []  # (indices into _current) sent with the flags
         self._late: list[int] = []  # (indices into _current) changed, sent by `late`
         self._from = (0, 1, 1.0)  # this step's global id, weight, and the weights' sum
+        self._quiet = [0] * len(self.owners)  # per owner: steps since some replica changed it
         # per owner: a copy of the value the last step left (equal on every copy then,
         # and at `mirror`), or None
         self._last = [_snapshot(m._buffers[name], None) for m, name, _ in self.owners]
 
     def sent_names(self) -> list[str]:
         """The qualified names of the buffers a step sends with its flags now."""
-        return [qualified for m, name, qualified in self.owners
-                if (t := m._buffers[name]) is not None and not self._deferred(t)]
+        return [qualified for k, (m, name, qualified) in enumerate(self.owners)
+                if (t := m._buffers[name]) is not None and not self._deferred(k, t)]
 
-    def _deferred(self, t: torch.Tensor) -> bool:
-        return self.defer and t.device.type == "cpu" and t.nbytes > LATE_BYTES
+    def _deferred(self, k: int, t: torch.Tensor) -> bool:
+        return (self.defer and self._quiet[k] >= QUIET_STEPS and t.device.type == "cpu"
+                and t.nbytes > LATE_BYTES)
 
     def _contribution(self, t: torch.Tensor) -> torch.Tensor:
         global_id, weight, _ = self._from
-        wire = t.detach().to(torch.uint8) if t.dtype == torch.bool else t.detach()
         averaged = self.rule == "average" and t.is_floating_point()
+        wire = t.detach().to(torch.uint8 if t.dtype == torch.bool else torch.float64
+                             if averaged and t.dtype in _WIDE else t.dtype)
         return (wire if (averaged and weight) or (not averaged and global_id == 0)
                 else torch.zeros_like(wire))
 
@@ -116,7 +128,8 @@ class BufferSync:
         self._current = [self.owners[k][0]._buffers[self.owners[k][1]]  # type: ignore[misc]
                          for k in self._sent]
         self._from = (global_id, weight, 1.0)
-        self._early = [i for i, t in enumerate(self._current) if not self._deferred(t)]
+        self._early = [i for i, (k, t) in enumerate(zip(self._sent, self._current, strict=True))
+                       if not self._deferred(k, t)]
         out = [self._contribution(self._current[i]) for i in self._early]
         pairs = [(t, self._last[k]) for k, t in zip(self._sent, self._current, strict=True)]
         device = self._current[0].device
@@ -141,6 +154,8 @@ class BufferSync:
                 self._from = (*self._from[:2], weight)
                 early = dict(zip(self._early, totals, strict=True))
                 for i, c in enumerate(changed):
+                    k = self._sent[i]
+                    self._quiet[k] = 0 if c else self._quiet[k] + 1
                     if c == 0:
                         continue
                     if i not in early:

@@ -481,3 +481,36 @@ def test_a_quiet_large_buffer_changed_again_follows_in_a_second_all_reduce(
     want[:10] = 2.5  # (4 + 1) / 2
     for copy_ in model.replicas:
         assert torch.equal(copy_.table, want)
+
+
+class SomeCache(nn.Module):
+    """A buffer registered as None and set in forward on some replicas only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(2, 1, 3).double()
+        self.register_buffer("cache", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.max() > 2.0:
+            self.cache = x.amax(0).detach()
+        return self.conv(x)  # type: ignore[no-any-return]
+
+
+def test_a_buffer_set_on_some_replicas_only_is_a_clear_mismatch(two) -> None:
+    # The mismatch message indexed replica 0's leaves with the other's count: a bare
+    # IndexError from inside the library.
+    model = two.mirror(SomeCache())
+    opt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+
+    def step(x: torch.Tensor) -> None:
+        opt.zero_grad()
+        mirrored.compute_average_loss(model(x).pow(2).flatten(1).sum(1)).backward()
+        opt.step()
+
+    x = torch.zeros(4, 2, 6, dtype=torch.float64)
+    x[0, 0, 0] = 5.0  # (in replica 0's half only)
+    with pytest.raises(mirrored.CollectiveMismatchError,
+                       match=r"different numbers of tensors \(replica 0 \(CPU:0\): \d+, "
+                             r"replica 1 \(CPU:1\): \d+; .*buffer that is None on some"):
+        two.run(step, args=(halves(two, x),))

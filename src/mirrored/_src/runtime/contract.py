@@ -100,7 +100,9 @@ class Arrival(Generic[P, R]):
 
 def describe_call(call: CallSpec, index: int | None) -> str:
     leaves = call.leaves
-    if index is not None:
+    if index is not None and index >= len(leaves):
+        inputs = f"{len(leaves)} leaves (none at {index})"
+    elif index is not None:
         inputs = describe_spec(*leaves[index])
     elif len(leaves) <= 4:
         inputs = ", ".join(describe_spec(*leaf) for leaf in leaves)
@@ -133,11 +135,18 @@ def mismatch_message(calls: Sequence[CallSpec], labels: Sequence[str]) -> str | 
                 shape = found[1] if found else "the same structure"
             lines.append(f"  {label}: {a.title} at {a.site} has {shape} at {where}")
     else:
-        index = next(k for k, (x, y) in enumerate(zip(first.leaves, other.leaves, strict=True))
-                     if x != y) if first.leaves != other.leaves else None
-        paths = pytree.flatten_with_path(first.value)[0]
-        where = pytree.format_path(paths[index]) if index is not None else "value"
+        pairs = zip(first.leaves, other.leaves, strict=False)
+        index = next((k for k, (x, y) in enumerate(pairs) if x != y),
+                     min(len(first.leaves), len(other.leaves))
+                     ) if first.leaves != other.leaves else None
+        paths = pytree.flatten_with_path(first.value)[0] if first.value is not None else []
+        where = (pytree.format_path(paths[index]) if index is not None and index < len(paths)
+                 else "value" if index is None else f"leaf {index}")
         headline = f"replicas passed mismatched inputs (first difference at {where})"
+        if len(other.leaves) != len(first.leaves):  # (e.g. a buffer None on some replicas)
+            headline = "replicas passed different numbers of tensors (" + ", ".join(
+                f"{label}: {len(a.leaves)}" for label, a in zip(labels, arrivals, strict=True)
+            ) + "; a tensor present on some replicas only, as a buffer that is None on some)"
         lines = [f"  {label}: {describe_call(a, index)}"
                  for label, a in zip(labels, arrivals, strict=True)]
     return f"{first.title} got mismatched calls: {headline}:\n" + "\n".join(lines)

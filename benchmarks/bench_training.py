@@ -419,7 +419,7 @@ def bench_overlap(batches: list[int], repeats: int, inner: int) -> None:
 def bench_buffers(batches: list[int], repeats: int) -> None:
     print("(f) buffers other than BatchNorm's, 2 replicas, default options: the MLP "
           "beside 8 MiB of constant buffers and a small EMA, against the MLP alone "
-          "(a constant buffer is compared at each step, never sent); 2 copies of "
+          "(a constant buffer is compared at each step, not sent after 8 quiet steps); 2 copies of "
           "each, blocks of 8 steps in shuffled order; median [90 % CI] of per-round "
           "ratios")
     for batch in batches:

@@ -331,3 +331,54 @@ def test_large_buffers_follow_the_flags_across_workers(local):
     for state in results:
         _assert_close(state, expected)
     assert results[0] == results[1]
+
+
+class _QuietTable(nn.Module):
+    """A large table left alone for 10 steps, then changed by worker 0's replicas."""
+
+    def __init__(self, local: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 1).double()
+        self.register_buffer("table", torch.ones(20000, dtype=torch.float64))
+        self.calls, self.local = 0, local
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        replica = mirrored.get_replica_context().replica_id_in_sync_group
+        if self.calls == 11 and replica < self.local:
+            self.table.data[:5] = 5.0
+        return self.linear(x)  # type: ignore[no-any-return]
+
+
+def _worker_quiet_table(local: int) -> list[list[float]]:
+    strategy = mirrored.MultiWorkerMirroredStrategy(
+        communication_options=CommunicationOptions(timeout_seconds=30),
+        devices=[f"CPU:{i}" for i in range(local)])
+    try:
+        model = strategy.mirror(_QuietTable(local))
+        opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+
+        def step(x: torch.Tensor) -> None:
+            loss = mirrored.compute_average_loss(model(x).squeeze(1) ** 2)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+        data = strategy.experimental_distribute_dataset(
+            [torch.ones(8, 4, dtype=torch.float64)] * 12)
+        for x in data:
+            strategy.run(step, args=(x,))
+        return [c.table[:6].tolist() for c in model.replicas]
+    finally:
+        strategy.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("local", [1, 2])
+def test_a_quiet_large_buffer_changed_on_one_worker_reaches_every_worker(local):
+    # After 8 quiet steps the table rides as a flag only; its change at step 11 (on
+    # worker 0's replicas) follows in a second all-reduce made on both workers.
+    results = mirrored.testing.run_multi_process(_worker_quiet_table, 2, args=(local,),
+                                                 timeout=110)
+    want = [3.0] * 5 + [1.0]  # (5 + 1) / 2 per element changed on half the replicas
+    assert results == [[want] * local] * 2

@@ -6,7 +6,7 @@ against a one-device reference or the value the copy set itself."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -18,23 +18,27 @@ from mirrored._src.training.buffers import BufferSync, other_buffers, weighted_s
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture
-def two() -> Iterator[mirrored.MirroredStrategy]:
-    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
-    yield strategy
-    strategy.close()
-
-
 def halves(two: mirrored.MirroredStrategy, t: torch.Tensor) -> object:
     return two.experimental_distribute_values_from_function(
         lambda c: t.chunk(2)[c.replica_id_in_sync_group])
 
 
+def step_of(model: mirrored.MirroredModule, opt: object) -> Callable[[torch.Tensor], None]:
+    """The step every test here trains with (a sum of squares, averaged as one device)."""
+    def step(x: torch.Tensor) -> None:
+        opt.zero_grad()  # type: ignore[attr-defined]
+        mirrored.compute_average_loss(model(x).pow(2).flatten(1).sum(1)).backward()
+        opt.step()  # type: ignore[attr-defined]
+    return step
+
+
 def train(two: mirrored.MirroredStrategy, make: type[nn.Module], steps: int = 3,
-          between: str = "") -> tuple[mirrored.MirroredModule, nn.Module]:
+          between: str = "", splits: Sequence[list[int]] = ()
+          ) -> tuple[mirrored.MirroredModule, nn.Module]:
     """Trains ``make()`` mirrored on two replicas (sync BatchNorm) and on one device
-    (SGD, equal halves of 8 rows), calling method ``between`` of both outside ``run``
-    after each step."""
+    (SGD; ``steps`` batches of 8 rows in equal halves, or rows split as each of
+    ``splits`` says), calling method ``between`` of both outside ``run`` after each
+    step."""
     torch.manual_seed(0)
     model = two.mirror(make(), sync_batch_norm=True)
     torch.manual_seed(0)
@@ -42,15 +46,12 @@ def train(two: mirrored.MirroredStrategy, make: type[nn.Module], steps: int = 3,
     opt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
 
-    def step(x: torch.Tensor) -> None:
-        opt.zero_grad()
-        mirrored.compute_average_loss(model(x).pow(2).flatten(1).sum(1)).backward()
-        opt.step()
+    step = step_of(model, opt)
 
     g = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        x = torch.randn(8, 2, 6, generator=g, dtype=torch.float64)
-        two.run(step, args=(halves(two, x),))
+    for rows in splits or [[4, 4]] * steps:
+        x = torch.randn(sum(rows), 2, 6, generator=g, dtype=torch.float64)
+        two.run(step, args=(mirrored.PerReplica(list(x.split(rows))),))
         ref_opt.zero_grad()
         reference(x).pow(2).flatten(1).sum(1).mean().backward()
         ref_opt.step()
@@ -264,10 +265,7 @@ def test_a_constant_buffer_holding_nan_stays_bitwise_constant() -> None:
         initial = model.replicas[0].table.clone()
         opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
 
-        def step(x: torch.Tensor) -> None:
-            opt.zero_grad()
-            mirrored.compute_average_loss(model(x).pow(2).flatten(1).sum(1)).backward()
-            opt.step()
+        step = step_of(model, opt)
 
         x = torch.randn(6, 2, 6)
         parts = strategy.experimental_distribute_values_from_function(
@@ -360,25 +358,7 @@ def test_large_buffers_travel_only_when_changed_and_average_as_one_device(
 
     assert min(Large().ema.nbytes, Large().mask.nbytes) > buffers.LATE_BYTES
     sizes, calls = watch_buffer_traffic(monkeypatch)
-    torch.manual_seed(0)
-    model = two.mirror(Large())
-    torch.manual_seed(0)
-    reference = Large()
-    opt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-
-    def step(x: torch.Tensor) -> None:
-        opt.zero_grad()
-        mirrored.compute_average_loss(model(x).pow(2).flatten(1).sum(1)).backward()
-        opt.step()
-
-    g = torch.Generator().manual_seed(1)
-    for rows in ([4, 4], [3, 0], [0, 2], [4, 4]) * 3:
-        x = torch.randn(sum(rows), 2, 6, generator=g, dtype=torch.float64)
-        two.run(step, args=(mirrored.PerReplica(list(x.split(rows))),))
-        ref_opt.zero_grad()
-        reference(x).pow(2).flatten(1).sum(1).mean().backward()
-        ref_opt.step()
+    model, reference = train(two, Large, splits=[[4, 4], [3, 0], [0, 2], [4, 4]] * 3)
     for copy_ in model.replicas:
         torch.testing.assert_close(copy_.ema, reference.ema, rtol=1e-12, atol=1e-12)
         assert int(copy_.calls) == 12  # (taken from replica 0: its own count of calls)
@@ -421,10 +401,7 @@ def test_buffers_every_replica_updates_alike_stay_one_devices_on_three(monkeypat
         reference = Alike()
         opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
 
-        def step(x: torch.Tensor) -> None:
-            opt.zero_grad()
-            mirrored.compute_average_loss(model(x).pow(2).flatten(1).sum(1)).backward()
-            opt.step()
+        step = step_of(model, opt)
 
         x = torch.randn(6, 2, 6, dtype=torch.float64)
         parts = strategy.experimental_distribute_values_from_function(
@@ -464,10 +441,7 @@ def test_a_quiet_large_buffer_changed_again_follows_in_a_second_all_reduce(
     model = two.mirror(Quiet())
     opt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
 
-    def step(x: torch.Tensor) -> None:
-        opt.zero_grad()
-        mirrored.compute_average_loss(model(x).pow(2).flatten(1).sum(1)).backward()
-        opt.step()
+    step = step_of(model, opt)
 
     x = halves(two, torch.randn(4, 2, 6, dtype=torch.float64))
     for _ in range(12):
@@ -503,10 +477,7 @@ def test_a_buffer_set_on_some_replicas_only_is_a_clear_mismatch(two) -> None:
     model = two.mirror(SomeCache())
     opt = two.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
 
-    def step(x: torch.Tensor) -> None:
-        opt.zero_grad()
-        mirrored.compute_average_loss(model(x).pow(2).flatten(1).sum(1)).backward()
-        opt.step()
+    step = step_of(model, opt)
 
     x = torch.zeros(4, 2, 6, dtype=torch.float64)
     x[0, 0, 0] = 5.0  # (in replica 0's half only)

@@ -189,7 +189,8 @@ def test_a_long_compile_keeps_the_baton_and_a_raw_wait_in_user_code_does_not() -
 
     def step(fn: object) -> torch.Tensor:
         if mirrored.get_replica_context().replica_id_in_sync_group == 1:
-            gate.release() if fn is waiting else None
+            if fn is waiting:
+                gate.release()
             return x
         return fn(x)  # type: ignore[operator,no-any-return]
 

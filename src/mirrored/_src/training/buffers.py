@@ -38,6 +38,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .check import bit_patterns
+
 __all__ = ["BUFFER_RULES", "LATE_BYTES", "BufferRule", "BufferSync", "batch_weight",
            "leaf_names", "other_buffers", "take_statistics", "weighted_statistics"]
 
@@ -139,7 +141,7 @@ class BufferSync:
         else:  # (no device sync, no copy from the host)
             out.append(torch.stack([
                 *(torch.ones((), device=device) if last is None or not _alike(t, last)
-                  else (_bits(t) != _bits(last)).any().float() for t, last in pairs),
+                  else (bit_patterns(t) != bit_patterns(last)).any().float() for t, last in pairs),
                 torch.full((), float(weight), device=device)]))
         return out
 
@@ -247,9 +249,8 @@ def weighted_statistics(stats: list[torch.Tensor], weight: int) -> list[torch.Te
     if not stats:
         return []
     sent = stats if weight else [torch.zeros_like(t) for t in stats]
-    device = stats[0].device  # (float32: bfloat16 counted to 256 replicas only)
-    return [*sent, torch.tensor([float(weight)]) if device.type == "cpu"
-            else torch.full((1,), float(weight), device=device)]
+    # (float32: bfloat16 counted to 256 replicas only; filled on the device, no copy)
+    return [*sent, torch.full((1,), float(weight), device=stats[0].device)]
 
 
 def take_statistics(stats: list[torch.Tensor], sums: Sequence[torch.Tensor]) -> None:
@@ -277,7 +278,6 @@ def leaf_names(params: Sequence[str], stats: int, sync: BufferSync) -> list[str]
             *["their flags"] * bool(sync.sent_names())]
 
 
-
 def _alike(t: torch.Tensor, last: torch.Tensor) -> bool:
     return t.shape == last.shape and t.dtype == last.dtype and t.device == last.device
 
@@ -290,7 +290,7 @@ def _same(t: torch.Tensor, last: torch.Tensor | None) -> bool:
         return False
     if t.is_contiguous() and _MEMCMP and t.is_cpu:  # (3x NumPy's speed, 5x torch.equal's)
         return int(_MEMCMP[0](t.data_ptr(), last.data_ptr(), t.nbytes)) == 0
-    a, b = _bits(t.detach()), _bits(last)
+    a, b = bit_patterns(t.detach()), bit_patterns(last)
     try:
         return bool(np.array_equal(a.numpy(), b.numpy()))
     except (TypeError, RuntimeError):  # (a dtype NumPy lacks)
@@ -310,16 +310,6 @@ def _libc_memcmp() -> list[Any]:
 
 
 _MEMCMP = _libc_memcmp()
-
-
-_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bit patterns as integers (floating point and complex), else ``t``."""
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    return t.view(_INTS[t.element_size()]) if t.is_floating_point() else t
 
 
 def _snapshot(t: torch.Tensor | None, last: torch.Tensor | None) -> torch.Tensor | None:

@@ -19,7 +19,7 @@ import torch
 
 from ..errors import ReplicaDivergenceError
 
-__all__ = ["CHEAP_EVERY", "CHECKS", "Check", "compare", "crossed_message",
+__all__ = ["CHEAP_EVERY", "CHECKS", "Check", "bit_patterns", "compare", "crossed_message",
            "STEPS", "discarded_message", "fingerprint", "modified_message", "same_divisors"]
 
 Check = Literal["cheap", "full", "off"]
@@ -31,6 +31,22 @@ CHECKS: tuple[Check, ...] = ("cheap", "full", "off")
 CHEAP_EVERY = 8
 
 _INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+def bit_patterns(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bit patterns as integers of its element size (complex as its real and
+    imaginary parts), ``t`` itself when it is not floating point: compared or summed,
+    a NaN equals itself and -0.0 differs from 0.0.
+
+    Example:
+        >>> bit_patterns(torch.tensor([1.0])).tolist()
+        [1065353216]
+    """
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t.view(_INT_VIEW[t.element_size()]) if t.is_floating_point() else t
+
+
 _BITS = 1 << 24  # integers below 2**24 are exact in float32 (and summed with zeros)
 
 
@@ -65,12 +81,9 @@ def fingerprint(tensors: Sequence[torch.Tensor], check: Check, out: torch.Tensor
         bits = []
         for t in tensors:
             flat = t.detach().reshape(-1)
-            if flat.is_complex():
-                flat = torch.view_as_real(flat).reshape(-1)
             if flat.dtype == torch.bool:
                 flat = flat.to(torch.uint8)
-            view = flat.view(_INT_VIEW[flat.element_size()]) if flat.is_floating_point() else flat
-            bits.append(view.sum(dtype=torch.int64) % _BITS)
+            bits.append(bit_patterns(flat).sum(dtype=torch.int64) % _BITS)
         values = torch.stack([torch.stack([n.to(torch.float64) for n in norms]),
                               torch.stack(bits).to(torch.float64)], dim=1)
         out.copy_(values.reshape(-1))
@@ -89,7 +102,7 @@ def compare(table: torch.Tensor, names: Sequence[str], step: int, params: int = 
         ...
         mirrored._src.errors.ReplicaDivergenceError: ...
     """
-    bits = table.view(_INT_VIEW[table.element_size()])
+    bits = bit_patterns(table)
     rows = bits.tolist()  # exact integers: one op, compared in Python (a table is small)
     if all(row == rows[0] for row in rows):
         return

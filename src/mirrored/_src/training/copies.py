@@ -222,10 +222,9 @@ class CopiesModule(nn.Module):
         """
         self._cross_replica("MirroredModule.load_state_dict")
         _replaced()  # (assign=True replaces the parameters)
-        self.__dict__.pop("_plain_seen", None)  # (every copy changes, as in `_targets`)
         results = [c.load_state_dict(
             _on_device(state_dict, device, copy=k > 0) if assign else state_dict, strict,
-            assign) for k, (c, device) in enumerate(zip(self._copies, self._devices,
+            assign) for k, (c, device) in enumerate(zip(self._targets(), self._devices,
                                                         strict=True))]
         return results[0]
 

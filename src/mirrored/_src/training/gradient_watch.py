@@ -24,16 +24,13 @@ from torch.autograd import Variable
 
 from ..context import current_replica_context
 from ..errors import ReplicaDivergenceError
-from .check import CHEAP_EVERY, STEPS, Check, crossed_message, modified_message
+from .check import CHEAP_EVERY, STEPS, Check, bit_patterns, crossed_message, modified_message
 
 __all__ = ["GradientWatch"]
 
 
 def _dense(g: torch.Tensor | None) -> bool:
     return g is not None and g.layout == torch.strided  # (sparse: refused by the step)
-
-
-_INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 
 def _norms(grads: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
@@ -47,7 +44,7 @@ def _norms(grads: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
         if any(n.dtype != norms[0].dtype for n in norms):
             norms = [n.double() for n in norms]
         out = torch.stack(norms)
-        return out.view(_INT_VIEW[out.element_size()])
+        return bit_patterns(out)
 
 
 class GradientWatch:

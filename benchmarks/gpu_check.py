@@ -70,10 +70,11 @@ def plain_loop(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float,
 
 
 def mirrored_loop(devices: list[str], batches: list[tuple[torch.Tensor, torch.Tensor]],
-                  options: mirrored.InputOptions | None = None) -> tuple[float, nn.Module]:
+                  options: mirrored.InputOptions | None = None,
+                  **optimizer_options: object) -> tuple[float, nn.Module]:
     strategy = mirrored.MirroredStrategy(devices)
     model = strategy.mirror(make_mlp())
-    optimizer = strategy.mirror_optimizer(model, sgd)
+    optimizer = strategy.mirror_optimizer(model, sgd, **optimizer_options)
 
     def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         per_example_loss = F.cross_entropy(model(x), y, reduction="none")
@@ -98,21 +99,30 @@ def max_difference(a: nn.Module, b: nn.Module) -> float:
                for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
-def one_gpu(steps: int, repeats: int) -> bool:
+NO_PREFETCH = mirrored.InputOptions(experimental_prefetch_depth=0)
+
+
+def one_gpu(steps: int, repeats: int, breakdown: bool = False) -> bool:
     print("(a) the README loop on 1 replica vs plain PyTorch, cuda:0")
     ok = True
+    variants: dict[str, dict[str, object]] = {"no prefetch": {"options": NO_PREFETCH}}
+    if breakdown:  # where the overhead goes: each default switched off alone, then all
+        variants |= {"check off": {"check": "off"},
+                     "both off": {"options": NO_PREFETCH, "check": "off"}}
     for batch in (64, 256):
         batches = make_batches(batch, steps)
-        runs: dict[str, list[float]] = {"plain": [], "default": [], "no prefetch": []}
+        runs: dict[str, list[float]] = {"plain": [], "default": []} | {v: [] for v in variants}
         models: dict[str, nn.Module] = {}
         for _ in range(repeats):  # interleaved, so noise hits all variants alike
             runs["plain"].append((s := plain_loop(batches))[0])
             models["plain"] = s[1]
             runs["default"].append((s := mirrored_loop(["GPU:0"], batches))[0])
             models["default"] = s[1]
-            runs["no prefetch"].append(mirrored_loop(
-                ["GPU:0"], batches, mirrored.InputOptions(experimental_prefetch_depth=0))[0])
+            for name, kwargs in variants.items():
+                runs[name].append(mirrored_loop(["GPU:0"], batches, **kwargs)[0])  # type: ignore[arg-type]
         seconds = {name: statistics.median(v) for name, v in runs.items()}
+        print(f"  batch {batch}: per step " + ", ".join(
+            f"{name} {s / steps * 1e6:,.0f} us" for name, s in seconds.items()))
         diff = max_difference(models["plain"], models["default"])
         overhead = seconds["default"] / seconds["plain"] - 1
         print(f"  batch {batch}: " + ", ".join(
@@ -194,6 +204,9 @@ def ddp_seconds(k: int, batch: int, steps: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="(a) also with the divergence check off, and with both it and "
+                             "the prefetch off: where the overhead goes")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device visible (torch.cuda.is_available() is False); "
@@ -202,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     k = torch.cuda.device_count()
     print(f"torch {torch.__version__}, {k} CUDA device(s): {torch.cuda.get_device_name(0)}")
     steps, repeats = (50, 3) if args.quick else (300, 5)
-    ok = one_gpu(steps, repeats)
+    ok = one_gpu(steps, repeats, args.breakdown)
     if k >= 2:
         ok &= many_gpus(k, steps)
     else:

@@ -213,3 +213,51 @@ def test_two_workers_on_one_gpu_train_through_gloo_as_one_process() -> None:
             torch.testing.assert_close(torch.tensor(state[name], dtype=value.dtype), value,
                                        rtol=0, atol=1e-9, msg=name)
     assert results[0] == results[1]
+
+
+def test_a_gpu_replica_is_the_current_cuda_device_and_factories_follow_torch() -> None:
+    seen: dict[int, tuple[str, str, str]] = {}
+
+    def fn() -> None:
+        seen[mirrored.get_replica_context().replica_id_in_sync_group] = (
+            torch.zeros(1).device.type, torch.zeros(1, device="cuda").device.type,
+            torch.get_default_device().type)
+
+    strategy = mirrored.MirroredStrategy(["GPU:0", "CPU:0"])
+    one = mirrored.MirroredStrategy(["GPU:0"])
+    try:
+        strategy.run(fn)
+        assert seen == {0: ("cpu", "cuda", "cpu"), 1: ("cpu", "cuda", "cpu")}
+        with torch.device("cuda"):  # the caller set a default device: the replica's replaces it
+            strategy.run(fn)
+        assert seen == {0: ("cuda", "cuda", "cuda"), 1: ("cpu", "cuda", "cpu")}
+        seen.clear()
+        one.run(fn)
+        assert seen == {0: ("cpu", "cuda", "cpu")}
+        with torch.device("cuda"):
+            one.run(fn)
+        assert seen == {0: ("cuda", "cuda", "cuda")}
+    finally:
+        strategy.close()
+        one.close()
+
+
+def test_cpu_draws_of_a_gpu_and_a_cpu_replica_are_reproducible_and_differ() -> None:
+    strategy = mirrored.MirroredStrategy(["GPU:0", "CPU:0"])
+    try:
+        def fn() -> tuple[torch.Tensor, torch.Tensor]:
+            device = "cuda" if mirrored.get_replica_context().replica_id_in_sync_group == 0 \
+                else "cpu"
+            return torch.rand(4), torch.rand(4, device=device).cpu()
+
+        torch.manual_seed(5)
+        torch.cuda.manual_seed(5)
+        first = strategy.experimental_local_results(strategy.run(fn))
+        torch.manual_seed(5)
+        torch.cuda.manual_seed(5)
+        again = strategy.experimental_local_results(strategy.run(fn))
+    finally:
+        strategy.close()
+    for a, b in zip(first, again, strict=True):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(first[0][0], first[1][0])  # each replica its own CPU stream

@@ -138,9 +138,14 @@ def test_fetch_to_device_false_keeps_source_tensors() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.timeout(30)
-def test_chunks_move_to_cuda_replicas() -> None:
-    n = min(torch.cuda.device_count(), 2)
-    topo = Topology(devices=parse_devices([f"GPU:{i}" for i in range(n)]))
+@pytest.mark.parametrize("cpu", [False, True])
+def test_chunks_move_to_cuda_replicas(cpu: bool) -> None:
+    # Two replicas: two GPUs, or the one GPU and the CPU.
+    gpus = [f"GPU:{i}" for i in range(min(torch.cuda.device_count(), 2))]
+    topo = Topology(devices=parse_devices([*gpus[:1], "CPU:0"] if cpu else gpus))
+    n = topo.num_replicas_in_sync
+    if n == 1:
+        pytest.skip("needs 2 CUDA devices")
     (step,) = list(DistributedDataset([torch.arange(8)], topo))
     assert [v.device for v in step.values] == list(topo.torch_devices)
     assert step.devices == topo.device_names
@@ -148,6 +153,16 @@ def test_chunks_move_to_cuda_replicas() -> None:
     (kept,) = list(DistributedDataset([torch.arange(8)], topo,
                                       InputOptions(experimental_fetch_to_device=False)))
     assert all(v.device.type == "cpu" for v in kept.values)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("depth", DEPTHS)
+def test_one_cuda_replica_gets_its_batch_on_the_gpu(depth: int) -> None:
+    topo = Topology(devices=parse_devices(["GPU:0"]))
+    steps = list(DistributedDataset([torch.arange(8), torch.arange(3)], topo, options(depth)))
+    assert [s.device.type for s in steps] == ["cuda", "cuda"]  # one replica: plain tensors
+    assert [s.tolist() for s in steps] == [list(range(8)), [0, 1, 2]]
 
 
 def test_default_strategy_topology_yields_plain_batches() -> None:

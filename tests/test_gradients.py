@@ -165,3 +165,39 @@ def test_forward_mode_ad_in_several_replicas_of_a_process_is_refused(two):
     torch.testing.assert_close(tangent, torch.ones(3) @ w)
     one = mirrored.MirroredStrategy(["CPU:0"])  # one replica: torch's own
     torch.testing.assert_close(one.run(step), torch.ones(3) @ w)
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "all_gather"])
+def test_backward_on_another_thread_meets_the_other_replicas(strategies, collective):
+    # torch runs a CUDA replica's backward pass on its device's autograd thread, not on
+    # the replica's: the gradient's all-reduce was refused there as "outside
+    # strategy.run" (seen on a GPU and a CPU replica with sync BatchNorm). A thread of
+    # our own, joined by the replica, is the same situation on the CPU.
+    import threading
+    strategy = strategies[3]
+    weights = [torch.arange(3.0) * (i + 1) for i in range(3)]
+
+    def step():
+        x = torch.arange(3.0, requires_grad=True)
+        ctx = mirrored.get_replica_context()
+        y = (ctx.all_reduce("MEAN", x) if collective == "all_reduce"
+             else ctx.all_gather(x, axis=0).view(3, 3).mean(0))
+        loss = (y * weights[rid()]).sum()
+        errors = []
+
+        def backward():
+            try:
+                loss.backward()
+            except BaseException as error:  # (raised on this thread, checked on the replica's)
+                errors.append(error)
+
+        thread = threading.Thread(target=backward)
+        thread.start()
+        thread.join(30)
+        if errors:
+            raise errors[0]
+        return x.grad
+
+    grads = strategy.experimental_local_results(strategy.run(step))
+    for g in grads:  # d/dx of sum_r w_r . mean(x): the mean of the weights, each replica
+        assert g.tolist() == (sum(weights) / 3).tolist()

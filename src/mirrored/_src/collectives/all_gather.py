@@ -35,6 +35,7 @@ class AllGather:
     def __init__(self, parts: Parts, index: int, axis: int, options: CommunicationOptions,
                  site: str, value: Any) -> None:
         self.parts = parts
+        self.generation = parts.runtime.generation()  # (for the backward pass: see AllReduce)
         self.index = index
         self.axis = axis
         self.options = options
@@ -59,7 +60,8 @@ class AllGather:
         call = call_spec(title, self.site, spec, tensors, [(d,) for d in self.dims],
                          self.value)
         result = self.parts.runtime.exchange(
-            self.index, Arrival(call, list(tensors), self._combine), self.options.timeout_seconds)
+            self.index, Arrival(call, list(tensors), self._combine), self.options.timeout_seconds,
+            self.generation)
         self.offsets = result.offsets
         return result.outputs
 
@@ -101,7 +103,8 @@ class _AllGatherFunction(torch.autograd.Function):
                 if dtype.is_floating_point or dtype.is_complex]
         total = gradient_all_reduce(job.parts, job.index, job.options, job.site,
                                     "gradient of all_gather", zeros_for_none(
-                                        [grads[k] for k in keep], [ctx.outputs[k] for k in keep]))
+                                        [grads[k] for k in keep], [ctx.outputs[k] for k in keep]),
+                                    generation=job.generation)
         result: list[torch.Tensor | None] = [None] * len(grads)
         for k, g in zip(keep, total, strict=True):
             start, size = job.offsets[k]

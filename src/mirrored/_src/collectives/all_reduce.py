@@ -71,8 +71,10 @@ class AllReduce:
 
     def __init__(self, parts: Parts, index: int, op: ReduceOp, axes: tuple[int, ...] | None,
                  options: CommunicationOptions, title: str, site: str, value: Any,
-                 label: str = "") -> None:
+                 label: str = "", generation: int | None = None) -> None:
         self.parts = parts
+        # The run it belongs to: its backward pass may run on another thread.
+        self.generation = parts.runtime.generation() if generation is None else generation
         self.label = label  # (`all_reduce`)
         self.index = index
         self.op = op
@@ -94,7 +96,7 @@ class AllReduce:
                          self.value)
         payload = Payload([p for p, _ in prepared], [c for _, c in prepared])
         result = self.parts.runtime.exchange(self.index, Arrival(call, payload, self._combine),
-                                             self.options.timeout_seconds)
+                                             self.options.timeout_seconds, self.generation)
         self.global_counts = result.counts
         n = self.parts.topology.num_replicas_in_sync
         return [finish(plan, total, n if result.counts is None else result.counts[k],
@@ -181,12 +183,13 @@ class _AllReduceFunction(torch.autograd.Function):
                     for m, d in zip(masks, dims, strict=True)]
             summed = gradient_all_reduce(job.parts, job.index, job.options, job.site,
                                          f"gradient of {job.title}", [*upstream, *ties],
-                                         job.label)
+                                         job.label, job.generation)
             return (None, None, *(_expand(g / t.clamp(min=1), d, shape) * m
                                   for g, t, d, shape, m in zip(summed[:n_in], summed[n_in:], dims,
                                                                ctx.shapes, masks, strict=True)))
         total = gradient_all_reduce(job.parts, job.index, job.options, job.site,
-                                    f"gradient of {job.title}", upstream, job.label)
+                                    f"gradient of {job.title}", upstream, job.label,
+                                    job.generation)
         result = []
         for k in range(n_in):
             g = total[k]
@@ -213,10 +216,11 @@ def _expand(g: torch.Tensor, dims: Sequence[int], shape: torch.Size) -> torch.Te
 
 
 def gradient_all_reduce(parts: Parts, index: int, options: CommunicationOptions, site: str,
-                        title: str, grads: list[torch.Tensor], label: str = ""
-                        ) -> list[torch.Tensor]:
+                        title: str, grads: list[torch.Tensor], label: str = "",
+                        generation: int | None = None) -> list[torch.Tensor]:
     """The SUM all-reduce of a backward pass (itself a collective of every replica;
-    ``label``: the forward call's, see `all_reduce`)."""
+    ``label``: the forward call's, see `all_reduce`; ``generation``: the forward's run,
+    as torch runs a CUDA replica's backward pass on its device's autograd thread)."""
     refuse_in_merge_fn(parts, title, site)
     if torch.is_grad_enabled() and any(g.requires_grad for g in grads):
         raise RuntimeError(
@@ -224,7 +228,8 @@ def gradient_all_reduce(parts: Parts, index: int, options: CommunicationOptions,
             "a second-order gradient) goes through a collective, whose own gradient is not "
             "differentiable again; compute such terms outside the collectives (e.g. on the "
             "replica's own loss before it is all-reduced)")
-    job = AllReduce(parts, index, ReduceOp.SUM, None, options, title, site, grads, label)
+    job = AllReduce(parts, index, ReduceOp.SUM, None, options, title, site, grads, label,
+                    generation)
     return job.forward(grads, pytree.flatten(grads)[1])
 
 

@@ -1,4 +1,4 @@
-"""Per-replica random streams for logical CPU replicas.
+"""Per-replica random streams for the CPU draws of a strategy's replicas.
 
 Logical CPU replicas share torch's one CPU generator, so concurrent replicas would
 draw from it in thread order and a seeded step would not repeat. Instead, inside
@@ -28,8 +28,10 @@ intercepted there. So:
   routed like any other draw, so compiled dropout is per-replica and reproducible
   from ``torch.manual_seed`` too.
 
-A call with an explicit ``generator=`` is left alone. CUDA replicas have a
-generator per device and need none of this. A draw during backward (what
+A call with an explicit ``generator=`` is left alone. A GPU replica's draws on
+its device use the device's generator (one per device); its CPU draws (a factory
+without a ``device``: the replica's device is not torch's default) are routed to
+its stream like a CPU replica's. A draw during backward (what
 ``torch.utils.checkpoint`` does when it recomputes a segment with dropout) raises:
 checkpoint restores the CPU generator, not the replica's stream, so the
 recomputed mask would silently differ from the forward's.

@@ -50,14 +50,26 @@ def fn_name(fn: Callable[..., Any] | None) -> str:
 
 
 @contextlib.contextmanager
-def on_device(device: torch.device) -> Iterator[None]:
-    """``device`` is the current device (and the current CUDA device, for one)."""
-    with torch.device(device):
-        if device.type == "cuda":
-            with torch.cuda.device(device):
+def on_device(device: torch.device, as_default: bool) -> Iterator[None]:
+    """A replica's function runs on ``device``: the current CUDA device, for one (so
+    ``"cuda"`` and ``.cuda()`` mean it), and torch's default device where
+    ``as_default``: the caller set one (``torch.device(...)``,
+    ``torch.set_default_device``), which the replica's replaces. Without one, a factory
+    without a device makes a CPU tensor, as in plain torch: a default device is a
+    torch function mode, which every torch call goes through in Python (+40 % on a
+    small MLP's step; +65 % on the README's loop on one GPU)."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            if as_default:
+                with torch.device(device):
+                    yield
+            else:
                 yield
-        else:
+    elif as_default:
+        with torch.device(device):
             yield
+    else:
+        yield
 
 
 class RunCall:
@@ -73,19 +85,22 @@ class RunCall:
         threads: the intra-op thread count each replica runs with.
         state: the caller's thread state; ``None`` when it is torch's default.
         caller_device: the caller's current device.
+        caller_default: the caller set a default device (a ``torch.device`` mode).
         profiling: record profiler ranges.
         plain: no profiling, and every replica is on the caller's device, the host CPU:
             the caller's thread runs a replica as is (it has the caller's state and,
             set by run, its thread count).
     """
 
-    __slots__ = ("call", "caller_device", "caller_thread", "context", "devices", "fn",
-                 "generation", "local", "plain", "profiling", "state", "streams", "threads")
+    __slots__ = ("call", "caller_default", "caller_device", "caller_thread", "context",
+                 "devices", "fn", "generation", "local", "plain", "profiling", "state", "streams",
+                 "threads")
 
     def __init__(self, call: Callable[[int], Any], fn: Callable[..., Any] | None,
                  local: threading.local, devices: Sequence[torch.device],
                  streams: RandomStreams | None, threads: int, state: ThreadState | None,
-                 caller_device: torch.device, profiling: bool, plain: bool) -> None:
+                 caller_device: torch.device, caller_default: bool, profiling: bool,
+                 plain: bool) -> None:
         self.call = call
         self.fn = fn
         self.local = local
@@ -94,6 +109,7 @@ class RunCall:
         self.threads = threads
         self.state = state  # None: the caller's thread state is plain
         self.caller_device = caller_device
+        self.caller_default = caller_default
         self.caller_thread = _get_ident()
         # torch keeps the user's compile settings in context variables: a replica on
         # another thread runs in a copy of the caller's (see `thread_state`).
@@ -140,7 +156,7 @@ class RunCall:
                     return self._call(i)
             with contextlib.ExitStack() as stack:
                 if device.type != "cpu" or device != self.caller_device:
-                    stack.enter_context(on_device(device))
+                    stack.enter_context(on_device(device, self.caller_default))
                 if self.state is not None:
                     dataclasses.replace(self.state, num_threads=self.threads).apply(stack)
                 elif torch.get_num_threads() != self.threads:

@@ -70,8 +70,16 @@ class Runtime(Protocol):
         ``fn``: the user's function, named in profiler ranges."""
         ...
 
-    def exchange(self, index: int, arrival: Arrival[P, R], timeout: float | None) -> R:
-        """Local replica ``index`` meets the others at a collective."""
+    def generation(self) -> int:
+        """The run this thread serves as a replica (0: none). A collective's backward
+        pass, which torch runs on its autograd thread of a CUDA device, not on the
+        replica's, gives its forward's to `exchange`."""
+        ...
+
+    def exchange(self, index: int, arrival: Arrival[P, R], timeout: float | None,
+                 generation: int | None = None) -> R:
+        """Local replica ``index`` meets the others at a collective (of run
+        ``generation``; default: this thread's)."""
         ...
 
     def close(self) -> None:
@@ -98,7 +106,7 @@ class ThreadRuntime:
         topology: the strategy's replicas (local devices, labels).
         name: the strategy's class name, for thread names and error notes.
         timeout_seconds: the strategy's collective timeout, if any.
-        per_replica_random: give logical CPU replicas random streams of their own.
+        per_replica_random: give the replicas random streams of their own for CPU draws.
     """
 
     def __init__(self, topology: Topology, name: str, *, timeout_seconds: float | None = None,
@@ -114,9 +122,10 @@ class ThreadRuntime:
             compiled_kernels.release_gil()
         self._host_only = all(d == _HOST for d in topology.torch_devices)
         self._baton = self._split_threads and timeout_seconds is None
+        # (CPU draws only: a GPU replica's draws on its device use the device's generator,
+        # and a factory without a device draws on the CPU: see `on_device`)
         self._streams = RandomStreams(topology.replica_ids) if (
-            per_replica_random and self._n > 1
-            and all(d.kind == "CPU" for d in topology.devices)) else None
+            per_replica_random and self._n > 1) else None
         self._pool = default_pool()
         self._pool.retain()
         self._closed = False
@@ -168,7 +177,7 @@ class ThreadRuntime:
         # (a `torch.device` context is a function mode: none, and the caller is on the host)
         caller_device = current_device() if function_modes else _HOST
         run = RunCall(call, fn, self._local, self._topology.torch_devices, self._streams,
-                      threads, state, caller_device,
+                      threads, state, caller_device, bool(function_modes),
                       profiled, not profiled and self._host_only and caller_device == _HOST)
         if profiled:
             with record(f"mirrored.run: {fn_name(fn)}"):
@@ -227,7 +236,7 @@ class ThreadRuntime:
         try:
             if device == caller_device and device.type == "cpu":
                 return call(0)
-            with on_device(device):
+            with on_device(device, _function_modes() > 0):
                 return call(0)
         except Exception as error:
             add_note(error, self._note(0))
@@ -248,10 +257,15 @@ class ThreadRuntime:
             "for this thread and this thread for that run: a deadlock. Call collectives and "
             "run only from the replica functions themselves (or use one strategy per thread)")
 
-    def exchange(self, index: int, arrival: Arrival[P, R], timeout: float | None) -> R:
+    def generation(self) -> int:
+        return getattr(self._local, "generation", 0)
+
+    def exchange(self, index: int, arrival: Arrival[P, R], timeout: float | None,
+                 generation: int | None = None) -> R:
         if self._n == 1:
             return _complete_alone(arrival)
-        generation = getattr(self._local, "generation", 0)
+        if generation is None:
+            generation = getattr(self._local, "generation", 0)
         return self._rendezvous.exchange(generation, index, arrival, timeout)
 
     def close(self) -> None:
@@ -303,7 +317,11 @@ class InlineRuntime:
     def run(self, call: Callable[[int], Any], fn: Callable[..., Any] | None = None) -> list[Any]:
         return [call(0)]
 
-    def exchange(self, index: int, arrival: Arrival[P, R], timeout: float | None) -> R:
+    def generation(self) -> int:
+        return 0
+
+    def exchange(self, index: int, arrival: Arrival[P, R], timeout: float | None,
+                 generation: int | None = None) -> R:
         return _complete_alone(arrival)
 
     def close(self) -> None:

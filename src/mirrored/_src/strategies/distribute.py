@@ -4,7 +4,6 @@ a function. Pure functions over the strategy's `Parts`."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -13,6 +12,7 @@ import torch
 from .. import context, pytree
 from ..collectives.cross_replica import check_components
 from ..collectives.parts import Parts
+from ..runtime.replica_call import on_device
 from ..training.buffers import batch_weight
 from ..training.structure import CHANGES, check_copies
 from ..values import (
@@ -187,11 +187,7 @@ def run_in_merge_fn(parts: Parts, contexts: Sequence[Any], fn: Callable[..., Any
     results = []
     for i, device in enumerate(topology.torch_devices):
         try:
-            with contextlib.ExitStack() as stack:
-                if device.type != "cpu":
-                    stack.enter_context(torch.device(device))
-                    if device.type == "cuda":
-                        stack.enter_context(torch.cuda.device(device))
+            with on_device(device, as_default=torch._C._len_torch_function_stack() > 0):
                 results.append(call(i))
         except Exception as error:
             note = f"raised in {topology.labels[i]} of {parts.name}.run inside a merge_fn"

@@ -56,10 +56,11 @@ class MirroredStrategy(Strategy):
             (beyond TF, where only the multi-worker strategy takes them). With a
             ``timeout_seconds``, replica 0 runs on a thread of its own too, so ``run``
             returns within the timeout even if a replica is stuck in user code.
-        per_replica_random: logical CPU replicas draw random numbers from streams of
-            their own, seeded from the caller's generator (reproducible under
-            ``torch.manual_seed``); ``False`` shares the CPU generator (draws then
-            depend on thread timing).
+        per_replica_random: with several replicas, each draws its CPU random numbers
+            from a stream of its own, seeded from the caller's generator (reproducible
+            under ``torch.manual_seed``); ``False`` shares the CPU generator (draws then
+            depend on thread timing). A GPU replica's draws on its device use the
+            device's generator.
 
     Raises:
         ValueError: an empty list, duplicates, a malformed name, a GPU that is not

@@ -67,6 +67,33 @@ def test_kernels_built_after_a_multi_replica_runtime_release_the_gil() -> None:
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
+@pytest.mark.timeout(120)
+def test_the_binding_needs_nothing_but_python_h(tmp_path) -> None:
+    # Torch 2.11's kernel source does not include <mutex>: a std::mutex in the binding
+    # made every compiled CPU kernel fail to build there (seen on a GPU machine), while
+    # torch 2.13's headers happened to include it. Here the binding is compiled in a
+    # file that includes Python.h alone, around stand-ins of Inductor's kernel and
+    # parse_arg.
+    import shutil
+    import sysconfig
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    call = compiled_kernels._WITHOUT_GIL.format(
+        "parse_arg<float*>(args, 0), parse_arg<long*>(args, 1)")
+    source = tmp_path / "binding.cpp"
+    source.write_text(textwrap.dedent("""
+        #include <Python.h>
+        template <typename T> T parse_arg(PyObject*, int) { return T(); }
+        void kernel(float*, long*) {}
+        PyObject* kernel_py(PyObject*, PyObject* args) { %s }
+    """) % call)
+    done = subprocess.run([compiler, "-std=c++17", "-fsyntax-only", "-Wall", "-Werror",
+                           f"-I{sysconfig.get_paths()['include']}", str(source)],
+                          capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def test_a_binding_of_another_shape_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compiled_kernels, "_state", "waiting for import")
     class Binding:

@@ -45,12 +45,18 @@ _ORIGINAL = "kernel({}); Py_RETURN_NONE;"
 # per kernel (a static of this module's one binding) keeps two threads out of the same
 # kernel at once: it points a global of its module at a flag on its stack for integer
 # division by zero, so two runs of one kernel would report into each other's frames.
+# Only what Python.h declares (the binding includes it): the lock is CPython's own
+# (pythread.h), not std::mutex, whose <mutex> torch 2.11's kernel source lacks (every
+# compile failed there).
 _WITHOUT_GIL = (
     "{{ struct MirroredReleasedGil {{ PyThreadState* state = PyEval_SaveThread(); "
     "~MirroredReleasedGil() {{ PyEval_RestoreThread(state); }} }}; "
-    "static std::mutex mirrored_one_at_a_time; "
-    "[](auto... arg) {{ MirroredReleasedGil released; "
-    "std::lock_guard<std::mutex> alone(mirrored_one_at_a_time); kernel(arg...); }}({}); }} "
+    "static PyThread_type_lock mirrored_one_at_a_time = PyThread_allocate_lock(); "
+    "struct MirroredAlone {{ MirroredAlone() {{ "
+    "PyThread_acquire_lock(mirrored_one_at_a_time, WAIT_LOCK); }} "
+    "~MirroredAlone() {{ PyThread_release_lock(mirrored_one_at_a_time); }} }}; "
+    "[](auto... arg) {{ MirroredReleasedGil released; MirroredAlone alone; "
+    "kernel(arg...); }}({}); }} "
     "Py_RETURN_NONE;")
 
 _lock = threading.Lock()

@@ -48,6 +48,9 @@ def bit_patterns(t: torch.Tensor) -> torch.Tensor:
 
 
 _BITS = 1 << 24  # integers below 2**24 are exact in float32 (and summed with zeros)
+# The largest prime below 2**24: a change of any bit (also above bit 24) moves a bit
+# sum's remainder modulo it.
+_PRIME = 16777213
 
 
 def slots_per_tensor(check: Check) -> int:
@@ -55,9 +58,14 @@ def slots_per_tensor(check: Check) -> int:
     return {"cheap": 1, "full": 2, "off": 0}[check]
 
 
-def fingerprint(tensors: Sequence[torch.Tensor], check: Check, out: torch.Tensor) -> None:
+def fingerprint(tensors: Sequence[torch.Tensor], check: Check, out: torch.Tensor,
+                exact: bool = False) -> None:
     """Writes the fingerprint of ``tensors`` into ``out`` (``len(tensors) *
     slots_per_tensor(check)`` values, in ``out``'s dtype).
+
+    ``exact``: integer sums of the bit patterns instead of 2-norms, for replicas on
+    different kinds of device: the same tensor's 2-norm on a GPU and on the CPU may
+    differ in the last bit (another summation order), its bit sum never does.
 
     Example:
         >>> out = torch.zeros(2)
@@ -68,6 +76,14 @@ def fingerprint(tensors: Sequence[torch.Tensor], check: Check, out: torch.Tensor
     if not tensors:
         return
     with torch.no_grad():
+        if exact:
+            sums = [_bit_sum(t) for t in tensors]
+            columns = [torch.stack([s_ % _PRIME for s_ in sums])]
+            if check == "full":
+                columns.append(torch.stack([s_ % _BITS for s_ in sums]))
+            out.copy_(torch.stack([c.to(out.device, torch.float64) for c in columns],
+                                  dim=1).reshape(-1))
+            return
         if check == "cheap" and all(t.dtype == out.dtype for t in tensors):
             # The common case in two ops: each op of a replica thread may wait for the
             # GIL behind the other replica's, so the op count is what costs on N replicas.
@@ -78,19 +94,21 @@ def fingerprint(tensors: Sequence[torch.Tensor], check: Check, out: torch.Tensor
         if check == "cheap":
             out.copy_(torch.stack(norms))
             return
-        bits = []
-        for t in tensors:
-            flat = t.detach().reshape(-1)
-            if flat.dtype == torch.bool:
-                flat = flat.to(torch.uint8)
-            bits.append(bit_patterns(flat).sum(dtype=torch.int64) % _BITS)
+        bits = [_bit_sum(t) % _BITS for t in tensors]
         values = torch.stack([torch.stack([n.to(torch.float64) for n in norms]),
                               torch.stack(bits).to(torch.float64)], dim=1)
         out.copy_(values.reshape(-1))
 
 
+def _bit_sum(t: torch.Tensor) -> torch.Tensor:
+    flat = t.detach().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    return bit_patterns(flat).sum(dtype=torch.int64)
+
+
 def compare(table: torch.Tensor, names: Sequence[str], step: int, params: int = -1,
-            since: int = 0) -> None:
+            since: int = 0, what: str = "2-norms") -> None:
     """Raises `ReplicaDivergenceError` if the rows of ``table`` (one per global
     replica, ``slots`` values per name) are not bitwise equal; ``names[params:]`` are
     buffers (all are parameters by default); ``since``: the step of the last check.
@@ -114,7 +132,7 @@ def compare(table: torch.Tensor, names: Sequence[str], step: int, params: int = 
     when = (f"optimizer step {step}" if step - since <= 1 else
             f"optimizer step {step} (equal at step {since}; check='full' checks every step)")
     where = (f"the copies of the mirrored model differ at {when}: "
-             f"{names[column]!r} on replica(s) {replicas} differs from replica 0 (2-norms "
+             f"{names[column]!r} on replica(s) {replicas} differs from replica 0 ({what} "
              + ", ".join(f"replica {g}: {v!r}" for g, v in enumerate(values)) + "). ")
     if 0 <= params <= column:
         raise ReplicaDivergenceError(

@@ -85,6 +85,8 @@ class GradientReducer:
         self._parts = strategy._parts
         self._params = params
         self._check: Check = check
+        # Replicas on a GPU and on the CPU compute norms in other orders: bit sums instead.
+        self._exact = len({d.type for d in self._parts.topology.torch_devices}) > 1
         self._steps = None if self._parts.cluster is None else self._parts.cluster.steps
         self.optimizer_name = (f"the optimizer of mirrored model #{module._mirrored_number}"
                                f"{subset_text(module.replicas[0], params[0])}")
@@ -251,7 +253,8 @@ class GradientReducer:
         width = self._width if count % self._every == 0 else 0
         if width:
             watched = [*params, *(t for _, t in sync.fingerprinted())]
-            fingerprint(watched, self._check, meta[n + g * width:n + (g + 1) * width])
+            fingerprint(watched, self._check, meta[n + g * width:n + (g + 1) * width],
+                        self._exact)
         weight = (batch_weight(self._parts.run_args[0], r)
                   if sync.owners or self._stats[r] else 1)  # (0: an empty batch)
         stats = weighted_statistics(self._stats[r], weight)
@@ -308,8 +311,9 @@ class GradientReducer:
             table = reduced[n][n:n + self._num_replicas * width].view(self._num_replicas, width)
             if live is not None:  # elastic: the rows of the replicas in the step
                 table = table[reduced[n][-self._num_replicas:] > 0]
-            compare(table, self._names, self.seq[r],
-                    params=n, since=max(self.seq[r] - self._every, 0))
+            compare(table, self._names, self.seq[r], params=n,
+                    since=max(self.seq[r] - self._every, 0),
+                    what="bit-sum fingerprints" if self._exact else "2-norms")
         self.reduced[r] = True
         # Last (a warning made an error leaves the step whole), once per worker.
         if width and r == 0 and slots is not None and not any(slots):

@@ -437,6 +437,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="few steps, for a smoke run")
     parser.add_argument("--overlap", action="store_true", help="part (e) only")
     parser.add_argument("--buffers", action="store_true", help="part (f) only")
+    parser.add_argument("--check", action="store_true", help="part (d) only")
     args = parser.parse_args()
     quick = args.quick
     repeats, inner = (3, 10) if quick else (9, 60)
@@ -446,6 +447,9 @@ def main() -> None:
         return
     if args.buffers:
         bench_buffers(batches, repeats)
+        return
+    if args.check:
+        bench_check(batches, repeats, inner)
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
           f"{os.cpu_count()} CPUs")

@@ -35,16 +35,13 @@ def _dense(g: torch.Tensor | None) -> bool:
 
 def _norms(grads: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
     """The 2-norms of the present ``grads``' values, as the bits of one tensor (a NaN
-    norm, from an inf a GradScaler will skip, equals itself)."""
-    present = [g.detach() for g in grads if g is not None and _dense(g)]
-    if not present:
-        return None
+    norm, from an inf a GradScaler will skip, equals itself; norms of several dtypes
+    are stacked in the widest, which holds each exactly)."""
     with torch.no_grad():
-        norms = list(torch._foreach_norm(present))
-        if any(n.dtype != norms[0].dtype for n in norms):
-            norms = [n.double() for n in norms]
-        out = torch.stack(norms)
-        return bit_patterns(out)
+        present = [g for g in grads if g is not None and g.layout == torch.strided]
+        if not present:
+            return None
+        return bit_patterns(torch.stack(torch._foreach_norm(present)))
 
 
 class GradientWatch:
@@ -178,7 +175,8 @@ class GradientWatch:
         # (a change through p.grad.data: the same tensors at the same versions)
         present = [k for k, p in enumerate(params) if _dense(p.grad)]
         now = _norms([params[k].grad for k in present])
-        if now is None or now.shape != then.shape:
+        if now is None or now.shape != then.shape or (
+                now.dtype == then.dtype and torch.equal(now, then)):
             return out
         differ = (now != then).tolist()
         return [k for k, d in zip(present, differ, strict=True) if d]

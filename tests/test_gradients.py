@@ -201,3 +201,115 @@ def test_backward_on_another_thread_meets_the_other_replicas(strategies, collect
     grads = strategy.experimental_local_results(strategy.run(step))
     for g in grads:  # d/dx of sum_r w_r . mean(x): the mean of the weights, each replica
         assert g.tolist() == (sum(weights) / 3).tolist()
+
+
+def test_a_backward_pass_in_a_later_run_meets_that_runs_replicas(two):
+    # The forward (through an all_reduce) in one run, its backward in the next: the
+    # backward's all-reduce belongs to the run that calls it (the forward's run is
+    # only a fallback, for torch's autograd thread of a CUDA device).
+    w = [torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)]
+
+    def forward():
+        y = mirrored.get_replica_context().all_reduce("SUM", w[rid()] * (rid() + 1))
+        return (y * y).sum()
+
+    def backward(loss):
+        loss.backward()
+        return w[rid()].grad
+
+    losses = two.run(forward)
+    grads = two.experimental_local_results(two.run(backward, args=(losses,)))
+    # y = w0 + 2 w1 = 3 on every replica; loss_r = sum(y^2); d/dw_r of sum_r loss_r
+    assert [g.tolist() for g in grads] == [[12.0] * 3, [24.0] * 3]
+
+
+@pytest.mark.parametrize("on_thread", [False, True])
+def test_a_cpu_draw_recomputed_by_checkpoint_raises_on_any_thread(two, on_thread):
+    # torch.utils.checkpoint recomputes a segment in backward after restoring torch's
+    # CPU generator, not the replica's stream: the recomputed draw would differ from
+    # the forward's. On the replica's thread this raised; on torch's autograd thread of
+    # a CUDA device (here: a thread of our own) it drew from the CPU generator, and the
+    # gradient was silently 0.45 off.
+    import threading
+
+    from torch.utils.checkpoint import checkpoint
+
+    def step():
+        x = torch.ones(4, requires_grad=True)
+        y = checkpoint(lambda t: t * torch.rand(t.shape), x, use_reentrant=False)
+        errors = []
+
+        def backward():
+            try:
+                y.sum().backward()
+            except BaseException as error:
+                errors.append(error)
+
+        if on_thread:
+            thread = threading.Thread(target=backward)
+            thread.start()
+            thread.join(30)
+        else:
+            backward()
+        if errors:
+            raise errors[0]
+        return x.grad
+
+    with pytest.raises(RuntimeError, match="drew random numbers on the CPU during backward"):
+        two.run(step)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("on_thread", [False, True])
+def test_sync_batch_norm_recomputed_by_a_reentrant_checkpoint(two, on_thread):
+    # On the replica's thread the recomputation meets the other replicas again (the
+    # global statistics, the gradients of no checkpoint). On torch's autograd thread of
+    # a CUDA device (here: a thread of our own) it had no replica context and used the
+    # replica's own statistics: gradients silently 1e-4 off (10x their size). It raises.
+    import threading
+
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(torch.nn.Module):  # a block checkpointed in forward, as models do
+        def __init__(self):
+            super().__init__()
+            self.block = torch.nn.Sequential(torch.nn.BatchNorm1d(3))
+
+        def forward(self, x, ckpt):
+            return checkpoint(self.block, x, use_reentrant=True) if ckpt else self.block(x)
+
+    torch.manual_seed(0)
+    model = two.mirror(Net().double(), sync_batch_norm=True)
+    xs = [torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64) * 5 + 2]
+    weights = torch.arange(1.0, 4.0, dtype=torch.float64)
+
+    def step(x, ckpt):
+        x = x.clone().requires_grad_(True)
+        y = model(x, ckpt)
+        loss = (y * weights).pow(2).sum()
+        errors = []
+
+        def backward():
+            try:
+                loss.backward()
+            except BaseException as error:
+                errors.append(error)
+
+        if on_thread and ckpt:
+            thread = threading.Thread(target=backward)
+            thread.start()
+            thread.join(30)
+        else:
+            backward()
+        if errors:
+            raise errors[0]
+        return x.grad
+
+    want = two.experimental_local_results(two.run(step, args=(mirrored.PerReplica(xs), False)))
+    if on_thread:
+        with pytest.raises(RuntimeError, match=r"sync BatchNorm .* checkpointed segments"):
+            two.run(step, args=(mirrored.PerReplica(xs), True))
+        return
+    got = two.experimental_local_results(two.run(step, args=(mirrored.PerReplica(xs), True)))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-15)

@@ -994,3 +994,44 @@ def test_ddp_no_sync_accumulation_runs_as_written(two: mirrored.MirroredStrategy
     for copy_ in model.replicas:
         for a, b in zip(copy_.parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("check", ["cheap", "full"])
+def test_replicas_on_two_kinds_of_device_compare_bit_sums(check: str) -> None:
+    # A GPU's and the CPU's 2-norms of equal copies differ in the last bit (seen on an
+    # H200: a false ReplicaDivergenceError at step 9), so where the job's replicas sit
+    # on both kinds, the copies are compared by exact bit sums: equal copies pass, a
+    # changed one is still named. (On the CPU, the topology is marked as mixed.)
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    object.__setattr__(strategy._parts.topology, "mixed_kinds", True)
+    try:
+        model = strategy.mirror(net())
+        opt = strategy.mirror_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1),
+                                        check=check)
+        assert opt._reducer._exact
+        drift = [False]
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> None:
+            loss = mirrored.compute_average_loss((model(x).squeeze(1) - y) ** 2)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if drift[0] and mirrored.get_replica_context().replica_id_in_sync_group == 1:
+                with torch.no_grad():
+                    model.module[2].bias.view(torch.int64)[0] ^= 1  # one bit, one copy
+
+        x, y = data()
+        for _ in range(9):
+            strategy.run(step, args=(split(x), split(y)))
+        drift[0] = True
+
+        def until_checked() -> None:
+            for _ in range(9):  # the drift of step 10 shows at the next checked step
+                strategy.run(step, args=(split(x), split(y)))
+
+        with pytest.raises(ReplicaDivergenceError,
+                           match=r"'2.bias' on replica\(s\) \[1\] differs from replica 0 "
+                                 r"\(bit-sum fingerprints"):
+            until_checked()
+    finally:
+        strategy.close()

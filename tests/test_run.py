@@ -213,3 +213,26 @@ def test_an_error_in_a_step_with_an_empty_batch_says_which_replica_had_none() ->
     with pytest.raises(RuntimeError) as raised:
         strategy.run(lambda x: x.reshape(-1, 5), args=(full,))  # every replica has rows
     assert "was empty" not in " ".join(getattr(raised.value, "__notes__", []))
+
+
+def test_a_run_inside_a_merge_fn_sets_a_default_device_only_where_the_caller_did():
+    # merge_call used to enter torch.device(caller's device) around every merge_fn, so
+    # a run nested there always made the replica's device torch's default device
+    # (a GPU replica's factories without a device then landed on the GPU there, and on
+    # the CPU at the top level).
+    from mirrored._src.devices import default_device_set
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    seen = []
+
+    def merge_fn(s):
+        s.run(lambda: seen.append(default_device_set()))
+
+    try:
+        strategy.run(lambda: mirrored.get_replica_context().merge_call(merge_fn))
+        assert seen == [False, False]
+        seen.clear()
+        with torch.device("cpu"):
+            strategy.run(lambda: mirrored.get_replica_context().merge_call(merge_fn))
+        assert seen == [True, True]
+    finally:
+        strategy.close()

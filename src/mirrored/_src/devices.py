@@ -148,4 +148,15 @@ def current_device() -> torch.device:
     return torch.get_default_device()
 
 
+def default_device_set() -> bool:
+    """Whether this thread set a default device (``torch.device(...)`` as a context,
+    ``torch.set_default_device``): a `DeviceContext` among the torch function modes."""
+    if torch._C._len_torch_function_stack() == 0:
+        return False
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+    return any(isinstance(m, DeviceContext)
+               for m in _get_current_function_mode_stack())  # type: ignore[no-untyped-call]
+
+
 _HOST = torch.device("cpu")

@@ -33,6 +33,10 @@ class Topology:
         elastic: workers may be missing from a step (`mirrored.elastic`): a MEAN
             divides by the replicas actually combined (counted), not by
             ``num_replicas_in_sync``.
+        mixed_kinds: the job's replicas sit on more than one kind of device (a GPU
+            and the CPU; another worker's count, as the workers told each other at
+            start-up); this worker's own devices are counted in any case (the
+            divergence check compares exact bit sums there, not 2-norms).
 
     Raises:
         ValueError: no devices, or a worker index outside ``0 .. num_workers - 1``.
@@ -51,6 +55,7 @@ class Topology:
     follows_caller: bool = False
     worker_values: bool = False
     elastic: bool = False
+    mixed_kinds: bool = False
     # Derived, filled in __post_init__ (hot paths read them).
     num_local_replicas: int = dataclasses.field(init=False)
     num_replicas_in_sync: int = dataclasses.field(init=False)
@@ -78,6 +83,8 @@ class Topology:
         set_(self, "replica_ids", ids)
         set_(self, "device_names", tuple(d.name for d in devices))
         set_(self, "torch_devices", tuple(d.torch_device for d in devices))
+        if len({d.kind for d in devices}) > 1:
+            set_(self, "mixed_kinds", True)
         if self.num_workers == 1:
             labels = tuple(f"replica {i} ({d.short_name})" for i, d in zip(ids, devices,
                                                                            strict=True))

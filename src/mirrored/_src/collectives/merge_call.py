@@ -81,10 +81,13 @@ def merge_call(parts: Parts, index: int, merge_fn: Callable[..., Any], args: Seq
         # merge_fn sees the caller's device, whichever replica's thread runs it.
         # merge_fn is cross-replica code: it draws random numbers from the caller's
         # generator (every replica waits meanwhile), not from a replica's stream.
+        # (as a default device only where the caller set one: see `on_device`)
         device = parts.runtime.caller_device
+        default = parts.runtime.caller_default
 
         def call_merge_fn() -> Any:
-            with context.in_merge_fn(strategy), torch.device(device):
+            with context.in_merge_fn(strategy), (
+                    torch.device(device) if default else contextlib.nullcontext()):
                 return library_call(payloads[0][0], strategy, *merged_args, **merged_kwargs)
 
         result = _bounded(call_merge_fn, timeout, site)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .. import pytree
+from ..runtime.replica_call import on_device
 from ..topology import Topology
 from .ahead import ReadAhead, continues
 from .input import InputContext, InputOptions, InputReplicationMode
@@ -47,8 +48,9 @@ class _Pipelines:
         self._done = [False] * len(self._iterators)
 
     def _on(self, k: int) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext() if self._devices is None else torch.device(
-            self._devices[k])
+        # (the default device, and for a GPU the current CUDA device: "cuda" means it)
+        return contextlib.nullcontext() if self._devices is None else on_device(
+            self._devices[k], as_default=True)
 
     def next(self, replica: int) -> tuple[bool, Any]:
         """``(True, element)`` or ``(False, None)`` once the replica's pipeline ran out."""
@@ -265,7 +267,7 @@ class DistributedDatasetsFromFunction:
         place = self._options.experimental_place_dataset_on_device
         elements = []
         for k, input_context in enumerate(self.input_contexts):
-            with (torch.device(topology.torch_devices[k]) if place
+            with (on_device(topology.torch_devices[k], as_default=True) if place
                   else contextlib.nullcontext()):
                 result = dataset_fn(input_context)
             _check_iterable(result, "dataset_fn's result")

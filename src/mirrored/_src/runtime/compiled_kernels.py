@@ -52,9 +52,10 @@ _WITHOUT_GIL = (
     "{{ struct MirroredReleasedGil {{ PyThreadState* state = PyEval_SaveThread(); "
     "~MirroredReleasedGil() {{ PyEval_RestoreThread(state); }} }}; "
     "static PyThread_type_lock mirrored_one_at_a_time = PyThread_allocate_lock(); "
-    "struct MirroredAlone {{ MirroredAlone() {{ "
+    "struct MirroredAlone {{ MirroredAlone() {{ if (mirrored_one_at_a_time) "
     "PyThread_acquire_lock(mirrored_one_at_a_time, WAIT_LOCK); }} "
-    "~MirroredAlone() {{ PyThread_release_lock(mirrored_one_at_a_time); }} }}; "
+    "~MirroredAlone() {{ if (mirrored_one_at_a_time) "
+    "PyThread_release_lock(mirrored_one_at_a_time); }} }}; "
     "[](auto... arg) {{ MirroredReleasedGil released; MirroredAlone alone; "
     "kernel(arg...); }}({}); }} "
     "Py_RETURN_NONE;")

@@ -1,9 +1,9 @@
 """Per-replica random streams for the CPU draws of a strategy's replicas.
 
-Logical CPU replicas share torch's one CPU generator, so concurrent replicas would
-draw from it in thread order and a seeded step would not repeat. Instead, inside
-``run`` each CPU replica draws from a generator of its own: the first random draw
-of a run takes one 64-bit base seed from the caller's generator (so
+Replicas share torch's one CPU generator, so concurrent replicas would draw from it
+in thread order and a seeded step would not repeat. Instead, inside ``run`` each
+replica (of a strategy with several) draws on the CPU from a generator of its own:
+the first random draw of a run takes one 64-bit base seed from the caller's generator (so
 ``torch.manual_seed(s)`` before ``run`` fixes every stream, and successive runs
 differ), and replica ``r``'s generator is seeded with ``mix(base, r)``.
 
@@ -45,7 +45,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["RandomStreams", "drop_stale_modes", "library_call", "state"]
+__all__ = ["RandomStreams", "drop_stale_modes", "library_call", "run_ended", "run_started",
+           "runs_in_flight", "state"]
 
 _MASK = (1 << 63) - 1
 _lock = threading.Lock()  # process-wide: installing the kernels, drawing base seeds
@@ -54,6 +55,8 @@ state = _local  # (for the runtime's hot path, which sets .stream itself)
 _installed: list[torch.library.Library] = []
 _KEY = torch._C.DispatchKey.BackendSelect
 _CPU = torch._C.DispatchKey.CPU
+_CUDA = torch._C.DispatchKey.CUDA  # (a CUDA op with a CPU scalar argument keeps its own)
+_flight = [0]  # runs of several replicas in all in progress, process-wide (`run_started`)
 
 
 def seeded_operators() -> list[torch._ops.OpOverload]:
@@ -81,13 +84,20 @@ def _kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         keyset = keyset.remove(_KEY)
-        stream = getattr(_local, "stream", None)
-        if stream is not None and keyset.has(_CPU):
-            if keyword or len(args) <= index:
-                if kwargs.get("generator") is None:
-                    kwargs["generator"] = _replica_generator(stream, op)
-            elif args[index] is None:
-                args = (*args[:index], _replica_generator(stream, op), *args[index + 1:])
+        if keyset.has(_CPU) and not keyset.has(_CUDA):
+            stream = getattr(_local, "stream", None)
+            if stream is not None:
+                if keyword or len(args) <= index:
+                    if kwargs.get("generator") is None:
+                        kwargs["generator"] = _replica_generator(stream, op)
+                elif args[index] is None:
+                    args = (*args[:index], _replica_generator(stream, op), *args[index + 1:])
+            elif _flight[0] and torch._C._current_graph_task_id() != -1 and (
+                    kwargs.get("generator") if keyword or len(args) <= index
+                    else args[index]) is None:
+                # A backward pass on torch's autograd thread of a CUDA device (no
+                # stream there) recomputing a checkpointed segment of a GPU replica.
+                raise RuntimeError(_recompute_message(op))
         return redispatch(keyset, *args, **kwargs)
 
     return kernel
@@ -99,15 +109,19 @@ def _replica_generator(stream: tuple[RandomStreams, int], op: torch._ops.OpOverl
         # A draw while autograd runs backward: torch.utils.checkpoint recomputing its
         # segment. It restores the CPU generator's state, not the replica's, so the
         # recomputed dropout mask would silently differ from the forward's.
-        raise RuntimeError(
-            f"{op} drew random numbers during backward on a logical CPU replica (inside "
-            "strategy.run). This is what torch.utils.checkpoint does when it recomputes a "
-            "segment with dropout: it restores torch's CPU generator, not the replica's "
-            "random stream, so the recomputed mask would differ from the forward's and "
-            "the gradients would be wrong. Keep random ops out of checkpointed segments "
-            "(e.g. dropout outside the checkpoint, or p=0 there), or pass an explicit "
-            "generator= to the random call")
+        raise RuntimeError(_recompute_message(op))
     return stream[0].generator(stream[1])
+
+
+def _recompute_message(op: torch._ops.OpOverload) -> str:
+    return (
+        f"{op} drew random numbers on the CPU during backward, while a strategy.run of "
+        "several replicas was in progress. This is what torch.utils.checkpoint does when "
+        "it recomputes a segment with dropout (or another CPU draw): it restores torch's "
+        "CPU generator, not the replica's random stream, so the recomputed mask would "
+        "differ from the forward's and the gradients would be wrong. Keep random ops out "
+        "of checkpointed segments (e.g. dropout outside the checkpoint, or p=0 there), or "
+        "pass an explicit generator= to the random call")
 
 
 def install() -> None:
@@ -203,6 +217,27 @@ class ReplicaStream:
 
     def __exit__(self, *exc: object) -> None:
         _local.stream = self._saved.pop() if self._saved else None
+
+
+def run_started() -> None:
+    """A run of a strategy with several replicas in all starts (in this process); every
+    call is followed by one of `run_ended`. While one is in progress, a CPU draw during
+    backward on a thread that runs no replica raises (`_kernel`), and so does sync
+    BatchNorm computed there (`runs_in_flight`): torch's autograd thread of a CUDA
+    device, recomputing a checkpointed segment without the replica's context."""
+    with _lock:
+        _flight[0] += 1
+
+
+def run_ended() -> None:
+    """The run that `run_started` announced has ended."""
+    with _lock:
+        _flight[0] -= 1
+
+
+def runs_in_flight() -> int:
+    """How many runs of several replicas in all are in progress in this process."""
+    return _flight[0]
 
 
 def library_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

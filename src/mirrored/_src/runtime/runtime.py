@@ -30,13 +30,13 @@ from typing import Any, Protocol, TypeVar, final
 import torch
 
 from ..comm.buffers import default_pool
-from ..devices import current_device
+from ..devices import current_device, default_device_set
 from ..errors import ReplicaAbortedError
 from ..topology import Topology
 from . import compiled_kernels
 from .contract import Arrival, CollectiveFailure
 from .executor import Executor, ReplicaAbandoned, ReplicaFailure
-from .random import RandomStreams, drop_stale_modes
+from .random import RandomStreams, drop_stale_modes, run_ended, run_started
 from .rendezvous import Rendezvous
 from .replica_call import RunCall, add_note, fn_name, on_device, profiling, record
 from .thread_state import capture, plain_thread, refused_modes
@@ -64,6 +64,12 @@ class Runtime(Protocol):
         """The current device of the caller of the ``run`` in progress."""
         ...
 
+    @property
+    def caller_default(self) -> bool:
+        """Whether the caller of the ``run`` in progress set a default device (the
+        replicas' devices then replace it: `replica_call.on_device`)."""
+        ...
+
     def run(self, call: Callable[[int], Any], fn: Callable[..., Any] | None = None) -> list[Any]:
         """Runs ``call(i)`` for every local replica ``i`` and returns the results in
         order, or raises the first replica's exception (with a note naming it).
@@ -79,7 +85,8 @@ class Runtime(Protocol):
     def exchange(self, index: int, arrival: Arrival[P, R], timeout: float | None,
                  generation: int | None = None) -> R:
         """Local replica ``index`` meets the others at a collective (of run
-        ``generation``; default: this thread's)."""
+        ``generation`` where this thread serves none: a backward pass on torch's
+        autograd thread of a CUDA device)."""
         ...
 
     def close(self) -> None:
@@ -146,12 +153,17 @@ class ThreadRuntime:
         # back on its next run; no other thread ever releases it.
         self._run_lock = threading.RLock()
         self._caller_device = torch.device("cpu")
+        self._caller_default = False
         self._running = False
         self._full_threads = torch.get_num_threads()
 
     @property
     def caller_device(self) -> torch.device:
         return self._caller_device
+
+    @property
+    def caller_default(self) -> bool:
+        return self._caller_default
 
     def run(self, call: Callable[[int], Any], fn: Callable[..., Any] | None = None) -> list[Any]:
         if self._n == 1:
@@ -192,6 +204,7 @@ class ThreadRuntime:
             self._running = True
             self._full_threads = full
             self._caller_device = run.caller_device
+            self._caller_default = run.caller_default
             rendezvous = self._rendezvous
             # Everyone else waits while one replica combines: it may use the caller's
             # whole intra-op thread budget for that.
@@ -204,16 +217,21 @@ class ThreadRuntime:
             start = time.perf_counter()
             generation = run.generation = rendezvous.start(
                 full if self._split_threads else None, run.profiling, baton)
-            if self._streams is not None:
-                self._streams.start_run()
+            started = False
             if run.threads != full:
                 torch.set_num_threads(run.threads)  # for the replicas run on this thread
             try:
+                run_started()
+                started = True
+                if self._streams is not None:
+                    self._streams.start_run()
                 results, failures = self._executor.run(
                     run.replica, functools.partial(rendezvous.replica_exited, generation),
                     rendezvous.abort, grace=GRACE_SECONDS, straggler_wait=self._straggler_wait,
                     baton=rendezvous.in_baton if baton else None)
             finally:
+                if started:
+                    run_ended()
                 rendezvous.finish()
                 self._last_seconds = (self._last_seconds[1], time.perf_counter() - start)
         finally:
@@ -232,15 +250,24 @@ class ThreadRuntime:
         # One local replica runs right here, on the caller's thread and state.
         caller_device = current_device()
         self._caller_device = caller_device
+        self._caller_default = default = default_device_set()
         device = self._topology.torch_devices[0]
+        several = self._topology.num_replicas_in_sync > 1  # (one replica of many workers)
+        started = False
         try:
+            if several:
+                run_started()
+                started = True
             if device == caller_device and device.type == "cpu":
                 return call(0)
-            with on_device(device, _function_modes() > 0):
+            with on_device(device, default):
                 return call(0)
         except Exception as error:
             add_note(error, self._note(0))
             raise
+        finally:
+            if started:
+                run_ended()
 
     def _acquire_run_lock(self) -> None:
         lock = self._run_lock
@@ -264,9 +291,11 @@ class ThreadRuntime:
                  generation: int | None = None) -> R:
         if self._n == 1:
             return _complete_alone(arrival)
-        if generation is None:
-            generation = getattr(self._local, "generation", 0)
-        return self._rendezvous.exchange(generation, index, arrival, timeout)
+        # The thread's own run wins (a backward pass in a later run, of a graph built in
+        # an earlier one); the forward's only on a thread that serves none (torch's
+        # autograd thread of a CUDA device).
+        own = getattr(self._local, "generation", 0)
+        return self._rendezvous.exchange(own or generation or 0, index, arrival, timeout)
 
     def close(self) -> None:
         if self._running and not getattr(self._local, "generation", 0):
@@ -313,6 +342,10 @@ class InlineRuntime:
     @property
     def caller_device(self) -> torch.device:
         return current_device()
+
+    @property
+    def caller_default(self) -> bool:
+        return default_device_set()
 
     def run(self, call: Callable[[int], Any], fn: Callable[..., Any] | None = None) -> list[Any]:
         return [call(0)]

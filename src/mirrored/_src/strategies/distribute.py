@@ -187,7 +187,7 @@ def run_in_merge_fn(parts: Parts, contexts: Sequence[Any], fn: Callable[..., Any
     results = []
     for i, device in enumerate(topology.torch_devices):
         try:
-            with on_device(device, as_default=torch._C._len_torch_function_stack() > 0):
+            with on_device(device, as_default=parts.runtime.caller_default):
                 results.append(call(i))
         except Exception as error:
             note = f"raised in {topology.labels[i]} of {parts.name}.run inside a merge_fn"

@@ -130,7 +130,10 @@ class MultiWorkerMirroredStrategy(Strategy):
             master_addr=spec.master_addr, master_port=spec.master_port,
             timeout_seconds=options.timeout_seconds or 120.0,
             failure_timeout_seconds=failure_timeout_seconds, attempt=spec.attempt,
-            agent_store=spec.agent_store), {"local replicas": len(parsed)})
+            agent_store=spec.agent_store), {
+                "local replicas": len(parsed),
+                "device kinds": (1 if any(d.kind == "CPU" for d in parsed) else 0)
+                | (2 if any(d.kind == "GPU" for d in parsed) else 0)})
         counts = job.facts["local replicas"]
         if len(set(counts)) > 1:
             job.close()
@@ -138,8 +141,12 @@ class MultiWorkerMirroredStrategy(Strategy):
             raise ValueError(f"every worker of a MultiWorkerMirroredStrategy needs the same "
                              f"number of local replicas; got {listing}. Pass devices= with "
                              "as many devices on every worker")
+        kinds = 0
+        for mask in job.facts["device kinds"]:
+            kinds |= mask
         topology = Topology(devices=tuple(parsed), worker_index=spec.worker_index,
-                            num_workers=spec.num_workers, worker_values=True)
+                            num_workers=spec.num_workers, worker_values=True,
+                            mixed_kinds=kinds == 3)
         explicit: CrossDeviceOps | None = None
         if backend == "nccl" and len(parsed) == 1:
             explicit = NcclAllReduce()  # the selector's NCCL rule wants several GPUs

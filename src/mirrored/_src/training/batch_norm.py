@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import context
+from ..runtime.random import runs_in_flight
 
 __all__ = ["MirroredBatchNorm", "MirroredBatchNorm1d", "MirroredBatchNorm2d",
            "MirroredBatchNorm3d", "convert_batch_norm"]
@@ -51,6 +52,9 @@ class MirroredBatchNorm(_BatchNorm):
         ctx = context.current_replica_context()
         batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         if ctx is None or ctx.num_replicas_in_sync == 1 or not batch_stats:
+            if (ctx is None and batch_stats and runs_in_flight()
+                    and torch._C._current_graph_task_id() != -1):
+                raise RuntimeError(_RECOMPUTED)
             local: torch.Tensor = super().forward(input)
             return local
         self._check_input_dim(input)
@@ -96,6 +100,16 @@ class MirroredBatchNorm(_BatchNorm):
             _blend(self.running_mean, mean, factor)
         if self.running_var is not None:
             _blend(self.running_var, var * (n / (n - 1)), factor)  # (unbiased)
+
+
+_RECOMPUTED = (
+    "sync BatchNorm (mirror(..., sync_batch_norm=True)) was computed during a backward "
+    "pass on a thread that runs no replica, while a strategy.run of several replicas was "
+    "in progress: torch.utils.checkpoint(use_reentrant=True) recomputing its segment on "
+    "torch's autograd thread of a CUDA device. There it has no replica context, so it "
+    "would normalize with this replica's statistics instead of the global batch's, and "
+    "the gradients would be silently wrong. Keep sync BatchNorm layers out of "
+    "checkpointed segments")
 
 
 def _blend(running: torch.Tensor, new: torch.Tensor, factor: float | torch.Tensor) -> None:

@@ -86,7 +86,7 @@ class GradientReducer:
         self._params = params
         self._check: Check = check
         # Replicas on a GPU and on the CPU compute norms in other orders: bit sums instead.
-        self._exact = len({d.type for d in self._parts.topology.torch_devices}) > 1
+        self._exact = self._parts.topology.mixed_kinds
         self._steps = None if self._parts.cluster is None else self._parts.cluster.steps
         self.optimizer_name = (f"the optimizer of mirrored model #{module._mirrored_number}"
                                f"{subset_text(module.replicas[0], params[0])}")

@@ -167,6 +167,27 @@ def test_forward_mode_ad_in_several_replicas_of_a_process_is_refused(two):
     torch.testing.assert_close(one.run(step), torch.ones(3) @ w)
 
 
+def on_foreign_thread(fn):
+    """Runs ``fn()`` on a thread Python did not start (``_thread``), as torch runs a
+    CUDA replica's backward pass on its device's own autograd thread; re-raises."""
+    import _thread
+    import threading
+    done, errors = threading.Event(), []
+
+    def body():
+        try:
+            fn()
+        except BaseException as error:
+            errors.append(error)
+        finally:
+            done.set()
+
+    _thread.start_new_thread(body, ())
+    assert done.wait(30)
+    if errors:
+        raise errors[0]
+
+
 @pytest.mark.parametrize("collective", ["all_reduce", "all_gather"])
 def test_backward_on_another_thread_meets_the_other_replicas(strategies, collective):
     # torch runs a CUDA replica's backward pass on its device's autograd thread, not on
@@ -228,35 +249,49 @@ def test_a_cpu_draw_recomputed_by_checkpoint_raises_on_any_thread(two, on_thread
     # torch.utils.checkpoint recomputes a segment in backward after restoring torch's
     # CPU generator, not the replica's stream: the recomputed draw would differ from
     # the forward's. On the replica's thread this raised; on torch's autograd thread of
-    # a CUDA device (here: a thread of our own) it drew from the CPU generator, and the
-    # gradient was silently 0.45 off.
-    import threading
-
+    # a CUDA device (here: a thread Python did not start) it drew from the CPU
+    # generator, and the gradient was silently 0.45 off.
     from torch.utils.checkpoint import checkpoint
 
     def step():
         x = torch.ones(4, requires_grad=True)
         y = checkpoint(lambda t: t * torch.rand(t.shape), x, use_reentrant=False)
-        errors = []
-
-        def backward():
-            try:
-                y.sum().backward()
-            except BaseException as error:
-                errors.append(error)
-
         if on_thread:
-            thread = threading.Thread(target=backward)
-            thread.start()
-            thread.join(30)
+            on_foreign_thread(y.sum().backward)
         else:
-            backward()
-        if errors:
-            raise errors[0]
+            y.sum().backward()
         return x.grad
 
     with pytest.raises(RuntimeError, match="drew random numbers on the CPU during backward"):
         two.run(step)
+
+
+def test_checkpointed_draws_of_a_plain_loop_beside_a_run_are_left_alone(two):
+    # Only a thread Python did not start, in a run, is taken for a replica's
+    # recomputation: the main thread's own checkpointed dropout (plain torch) while
+    # another thread's run is in progress keeps working (it raised for a while).
+    import threading
+
+    from torch.utils.checkpoint import checkpoint
+    inside, release = threading.Event(), threading.Event()
+
+    def blocked():
+        inside.set()
+        release.wait(30)
+
+    runner = threading.Thread(target=lambda: two.run(blocked))
+    runner.start()
+    try:
+        assert inside.wait(30)
+        x = torch.ones(4, requires_grad=True)
+        torch.manual_seed(0)
+        y = checkpoint(lambda t: torch.nn.functional.dropout(t, 0.5), x, use_reentrant=False)
+        mask = y.detach() != 0
+        y.sum().backward()  # the recomputed mask is the forward's (checkpoint restores)
+        assert torch.equal(x.grad, mask.float() * 2)
+    finally:
+        release.set()
+        runner.join(30)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -264,10 +299,9 @@ def test_a_cpu_draw_recomputed_by_checkpoint_raises_on_any_thread(two, on_thread
 def test_sync_batch_norm_recomputed_by_a_reentrant_checkpoint(two, on_thread):
     # On the replica's thread the recomputation meets the other replicas again (the
     # global statistics, the gradients of no checkpoint). On torch's autograd thread of
-    # a CUDA device (here: a thread of our own) it had no replica context and used the
+    # a CUDA device (here: a thread Python did not start) it had no replica context and
+    # used the
     # replica's own statistics: gradients silently 1e-4 off (10x their size). It raises.
-    import threading
-
     from torch.utils.checkpoint import checkpoint
 
     class Net(torch.nn.Module):  # a block checkpointed in forward, as models do
@@ -287,22 +321,10 @@ def test_sync_batch_norm_recomputed_by_a_reentrant_checkpoint(two, on_thread):
         x = x.clone().requires_grad_(True)
         y = model(x, ckpt)
         loss = (y * weights).pow(2).sum()
-        errors = []
-
-        def backward():
-            try:
-                loss.backward()
-            except BaseException as error:
-                errors.append(error)
-
         if on_thread and ckpt:
-            thread = threading.Thread(target=backward)
-            thread.start()
-            thread.join(30)
+            on_foreign_thread(loss.backward)
         else:
-            backward()
-        if errors:
-            raise errors[0]
+            loss.backward()
         return x.grad
 
     want = two.experimental_local_results(two.run(step, args=(mirrored.PerReplica(xs), False)))
@@ -313,3 +335,18 @@ def test_sync_batch_norm_recomputed_by_a_reentrant_checkpoint(two, on_thread):
     got = two.experimental_local_results(two.run(step, args=(mirrored.PerReplica(xs), True)))
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-15)
+
+
+def test_a_backward_on_a_foreign_thread_in_a_later_run_says_why_it_cannot(two):
+    # On a GPU replica, torch runs the backward pass on its autograd thread, where only
+    # the forward's run is known: a backward in a later run is refused, and says so
+    # (it read "called by a replica of an earlier strategy.run that was abandoned").
+    w = [torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)]
+
+    def forward():
+        return mirrored.get_replica_context().all_reduce("SUM", w[rid()]).sum()
+
+    losses = two.run(forward)
+    with pytest.raises(RuntimeError, match=r"backward pass on a thread that runs no replica "
+                                           r".*earlier strategy.run"):
+        two.run(lambda loss: on_foreign_thread(loss.backward), args=(losses,))

@@ -45,8 +45,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["RandomStreams", "drop_stale_modes", "library_call", "run_ended", "run_started",
-           "runs_in_flight", "state"]
+__all__ = ["RandomStreams", "drop_stale_modes", "library_call", "recomputing_for_a_replica",
+           "state"]
 
 _MASK = (1 << 63) - 1
 _lock = threading.Lock()  # process-wide: installing the kernels, drawing base seeds
@@ -56,7 +56,6 @@ _installed: list[torch.library.Library] = []
 _KEY = torch._C.DispatchKey.BackendSelect
 _CPU = torch._C.DispatchKey.CPU
 _CUDA = torch._C.DispatchKey.CUDA  # (a CUDA op with a CPU scalar argument keeps its own)
-_flight = [0]  # runs of several replicas in all in progress, process-wide (`run_started`)
 
 
 def seeded_operators() -> list[torch._ops.OpOverload]:
@@ -92,11 +91,9 @@ def _kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
                         kwargs["generator"] = _replica_generator(stream, op)
                 elif args[index] is None:
                     args = (*args[:index], _replica_generator(stream, op), *args[index + 1:])
-            elif _flight[0] and torch._C._current_graph_task_id() != -1 and (
+            elif torch._C._current_graph_task_id() != -1 and (
                     kwargs.get("generator") if keyword or len(args) <= index
-                    else args[index]) is None:
-                # A backward pass on torch's autograd thread of a CUDA device (no
-                # stream there) recomputing a checkpointed segment of a GPU replica.
+                    else args[index]) is None and recomputing_for_a_replica(True):
                 raise RuntimeError(_recompute_message(op))
         return redispatch(keyset, *args, **kwargs)
 
@@ -219,25 +216,16 @@ class ReplicaStream:
         _local.stream = self._saved.pop() if self._saved else None
 
 
-def run_started() -> None:
-    """A run of a strategy with several replicas in all starts (in this process); every
-    call is followed by one of `run_ended`. While one is in progress, a CPU draw during
-    backward on a thread that runs no replica raises (`_kernel`), and so does sync
-    BatchNorm computed there (`runs_in_flight`): torch's autograd thread of a CUDA
-    device, recomputing a checkpointed segment without the replica's context."""
-    with _lock:
-        _flight[0] += 1
-
-
-def run_ended() -> None:
-    """The run that `run_started` announced has ended."""
-    with _lock:
-        _flight[0] -= 1
-
-
-def runs_in_flight() -> int:
-    """How many runs of several replicas in all are in progress in this process."""
-    return _flight[0]
+def recomputing_for_a_replica(with_streams: bool) -> bool:
+    """Whether this backward pass (``torch._C._current_graph_task_id()`` set) may be
+    recomputing a replica's checkpointed segment without its context: it runs on a
+    thread Python did not start (torch's autograd thread of a CUDA device) while a run
+    of several replicas in all is in progress (``with_streams``: with random streams).
+    Threads of the user's own, and the main thread, are never taken for one."""
+    if not isinstance(threading.current_thread(), threading._DummyThread):
+        return False
+    from .runtime import runs_in_flight  # (a cycle at import: read on this rare path)
+    return runs_in_flight(with_streams)
 
 
 def library_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -36,7 +36,7 @@ from ..topology import Topology
 from . import compiled_kernels
 from .contract import Arrival, CollectiveFailure
 from .executor import Executor, ReplicaAbandoned, ReplicaFailure
-from .random import RandomStreams, drop_stale_modes, run_ended, run_started
+from .random import RandomStreams, drop_stale_modes
 from .rendezvous import Rendezvous
 from .replica_call import RunCall, add_note, fn_name, on_device, profiling, record
 from .thread_state import capture, plain_thread, refused_modes
@@ -154,6 +154,8 @@ class ThreadRuntime:
         self._run_lock = threading.RLock()
         self._caller_device = torch.device("cpu")
         self._caller_default = False
+        self._several = self._topology.num_replicas_in_sync > 1
+        self._one_running = False  # `_run_one` of one local replica of several in all
         self._running = False
         self._full_threads = torch.get_num_threads()
 
@@ -217,12 +219,9 @@ class ThreadRuntime:
             start = time.perf_counter()
             generation = run.generation = rendezvous.start(
                 full if self._split_threads else None, run.profiling, baton)
-            started = False
             if run.threads != full:
                 torch.set_num_threads(run.threads)  # for the replicas run on this thread
             try:
-                run_started()
-                started = True
                 if self._streams is not None:
                     self._streams.start_run()
                 results, failures = self._executor.run(
@@ -230,8 +229,6 @@ class ThreadRuntime:
                     rendezvous.abort, grace=GRACE_SECONDS, straggler_wait=self._straggler_wait,
                     baton=rendezvous.in_baton if baton else None)
             finally:
-                if started:
-                    run_ended()
                 rendezvous.finish()
                 self._last_seconds = (self._last_seconds[1], time.perf_counter() - start)
         finally:
@@ -252,12 +249,8 @@ class ThreadRuntime:
         self._caller_device = caller_device
         self._caller_default = default = default_device_set()
         device = self._topology.torch_devices[0]
-        several = self._topology.num_replicas_in_sync > 1  # (one replica of many workers)
-        started = False
         try:
-            if several:
-                run_started()
-                started = True
+            self._one_running = self._several  # (one replica of a job of several workers)
             if device == caller_device and device.type == "cpu":
                 return call(0)
             with on_device(device, default):
@@ -266,8 +259,7 @@ class ThreadRuntime:
             add_note(error, self._note(0))
             raise
         finally:
-            if started:
-                run_ended()
+            self._one_running = False
 
     def _acquire_run_lock(self) -> None:
         lock = self._run_lock
@@ -295,6 +287,13 @@ class ThreadRuntime:
         # an earlier one); the forward's only on a thread that serves none (torch's
         # autograd thread of a CUDA device).
         own = getattr(self._local, "generation", 0)
+        if not own and generation and self._running and (
+                generation != self._rendezvous._generation):  # (the current run's)
+            raise RuntimeError(
+                f"{arrival.title} at {arrival.site} was reached by a backward pass on a "
+                "thread that runs no replica (torch's autograd thread of a CUDA device) "
+                "through a collective of an earlier strategy.run: its replicas are gone. "
+                "Call backward() in the run that made the forward pass")
         return self._rendezvous.exchange(own or generation or 0, index, arrival, timeout)
 
     def close(self) -> None:
@@ -322,6 +321,19 @@ class ThreadRuntime:
         failure = min(causes or failures, key=lambda f: f.replica_id)
         add_note(failure.error, self._note(failure.replica_id))
         return failure.error
+
+
+def runs_in_flight(with_streams: bool = False) -> bool:
+    """Whether a run of some strategy with several replicas in all is in progress in
+    this process (``with_streams``: of one whose replicas have random streams). Read
+    only on rare paths (a backward pass on a thread that runs no replica); flags, not
+    a count, so an interrupt cannot leave it stuck."""
+    for runtime in list(_runtimes):
+        if with_streams and runtime._streams is None:
+            continue
+        if (runtime._running and runtime._n > 1) or runtime._one_running:
+            return True
+    return False
 
 
 def _after_fork_in_child() -> None:

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import context
-from ..runtime.random import runs_in_flight
+from ..runtime.random import recomputing_for_a_replica
 
 __all__ = ["MirroredBatchNorm", "MirroredBatchNorm1d", "MirroredBatchNorm2d",
            "MirroredBatchNorm3d", "convert_batch_norm"]
@@ -52,8 +52,8 @@ class MirroredBatchNorm(_BatchNorm):
         ctx = context.current_replica_context()
         batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         if ctx is None or ctx.num_replicas_in_sync == 1 or not batch_stats:
-            if (ctx is None and batch_stats and runs_in_flight()
-                    and torch._C._current_graph_task_id() != -1):
+            if (ctx is None and batch_stats and torch._C._current_graph_task_id() != -1
+                    and recomputing_for_a_replica(False)):
                 raise RuntimeError(_RECOMPUTED)
             local: torch.Tensor = super().forward(input)
             return local

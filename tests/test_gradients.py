@@ -347,6 +347,7 @@ def test_a_backward_on_a_foreign_thread_in_a_later_run_says_why_it_cannot(two):
         return mirrored.get_replica_context().all_reduce("SUM", w[rid()]).sum()
 
     losses = two.run(forward)
-    with pytest.raises(RuntimeError, match=r"backward pass on a thread that runs no replica "
-                                           r".*earlier strategy.run"):
+    with pytest.raises(RuntimeError, match=r"backward pass for replica 0 \(CPU:0\) on a "
+                                           r"thread that runs no replica .*earlier "
+                                           r"MirroredStrategy.run \(run 1; run 2 is in "):
         two.run(lambda loss: on_foreign_thread(loss.backward), args=(losses,))

@@ -35,7 +35,7 @@ class AllGather:
     def __init__(self, parts: Parts, index: int, axis: int, options: CommunicationOptions,
                  site: str, value: Any) -> None:
         self.parts = parts
-        self.generation = parts.runtime.generation()  # (for the backward pass: see AllReduce)
+        self.generation: int | None = None  # (for the backward pass: see AllReduce)
         self.index = index
         self.axis = axis
         self.options = options
@@ -90,6 +90,7 @@ class _AllGatherFunction(torch.autograd.Function):
     def forward(ctx: Any, job: AllGather, spec: pytree.PyTreeSpec, *tensors: torch.Tensor
                 ) -> tuple[torch.Tensor, ...]:
         outputs = job.forward(tensors, spec)
+        job.generation = job.parts.runtime.generation()
         ctx.job = job
         ctx.outputs = [(t.shape, t.dtype, t.device) for t in outputs]
         return tuple(outputs)

@@ -73,8 +73,9 @@ class AllReduce:
                  options: CommunicationOptions, title: str, site: str, value: Any,
                  label: str = "", generation: int | None = None) -> None:
         self.parts = parts
-        # The run it belongs to: its backward pass may run on another thread.
-        self.generation = parts.runtime.generation() if generation is None else generation
+        # The run of the forward pass, for its backward pass (set by the autograd
+        # function): torch runs a CUDA replica's backward pass on another thread.
+        self.generation = generation
         self.label = label  # (`all_reduce`)
         self.index = index
         self.op = op
@@ -159,6 +160,7 @@ class _AllReduceFunction(torch.autograd.Function):
     def forward(ctx: Any, job: AllReduce, spec: pytree.PyTreeSpec, *tensors: torch.Tensor
                 ) -> tuple[torch.Tensor, ...]:
         outputs = job.forward(tensors, spec)
+        job.generation = job.parts.runtime.generation()
         ctx.job = job
         ctx.shapes = [t.shape for t in tensors]
         ctx.outputs = [(t.shape, t.dtype, t.device) for t in outputs]

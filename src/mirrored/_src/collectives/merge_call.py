@@ -16,12 +16,11 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
 from .. import context, pytree
 from ..errors import CollectiveTimeoutError
 from ..runtime.contract import Arrival, CallSpec
 from ..runtime.random import library_call
+from ..runtime.replica_call import on_device
 from ..runtime.thread_state import capture
 from ..values import DistributedValues, regroup, select_replica
 from .call import refuse_in_merge_fn
@@ -81,13 +80,12 @@ def merge_call(parts: Parts, index: int, merge_fn: Callable[..., Any], args: Seq
         # merge_fn sees the caller's device, whichever replica's thread runs it.
         # merge_fn is cross-replica code: it draws random numbers from the caller's
         # generator (every replica waits meanwhile), not from a replica's stream.
-        # (as a default device only where the caller set one: see `on_device`)
+        # (as the default device only where the caller set one: see `on_device`)
         device = parts.runtime.caller_device
         default = parts.runtime.caller_default
 
         def call_merge_fn() -> Any:
-            with context.in_merge_fn(strategy), (
-                    torch.device(device) if default else contextlib.nullcontext()):
+            with context.in_merge_fn(strategy), on_device(device, default):
                 return library_call(payloads[0][0], strategy, *merged_args, **merged_kwargs)
 
         result = _bounded(call_merge_fn, timeout, site)

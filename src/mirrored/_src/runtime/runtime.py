@@ -290,10 +290,12 @@ class ThreadRuntime:
         if not own and generation and self._running and (
                 generation != self._rendezvous._generation):  # (the current run's)
             raise RuntimeError(
-                f"{arrival.title} at {arrival.site} was reached by a backward pass on a "
-                "thread that runs no replica (torch's autograd thread of a CUDA device) "
-                "through a collective of an earlier strategy.run: its replicas are gone. "
-                "Call backward() in the run that made the forward pass")
+                f"{arrival.title} at {arrival.site} was reached by a backward pass for "
+                f"{self._topology.labels[index]} on a thread that runs no replica (torch's "
+                "autograd thread of a CUDA device), through a collective of an earlier "
+                f"{self._name}.run (run {generation}; run {self._rendezvous._generation} "
+                "is in progress), whose replicas are gone. Call backward() in the run "
+                "that made the forward pass")
         return self._rendezvous.exchange(own or generation or 0, index, arrival, timeout)
 
     def close(self) -> None:

@@ -48,9 +48,9 @@ def bit_patterns(t: torch.Tensor) -> torch.Tensor:
 
 
 _BITS = 1 << 24  # integers below 2**24 are exact in float32 (and summed with zeros)
-# The largest prime below 2**24: a change of any bit (also above bit 24) moves a bit
-# sum's remainder modulo it.
-_PRIME = 16777213
+# The two largest primes below 2**24: a change of any bit (also above bit 24) moves a
+# bit sum's remainder modulo either; "full" takes both (a sum modulo their product).
+_PRIMES = (16777213, 16777199)
 
 
 def slots_per_tensor(check: Check) -> int:
@@ -77,12 +77,9 @@ def fingerprint(tensors: Sequence[torch.Tensor], check: Check, out: torch.Tensor
         return
     with torch.no_grad():
         if exact:
-            sums = [_bit_sum(t) for t in tensors]
-            columns = [torch.stack([s_ % _PRIME for s_ in sums])]
-            if check == "full":
-                columns.append(torch.stack([s_ % _BITS for s_ in sums]))
-            out.copy_(torch.stack([c.to(out.device, torch.float64) for c in columns],
-                                  dim=1).reshape(-1))
+            sums = torch.stack([_bit_sum(t) for t in tensors])
+            primes = _PRIMES[:slots_per_tensor(check)]
+            out.copy_(torch.stack([sums % p for p in primes], dim=1).reshape(-1))
             return
         if check == "cheap" and all(t.dtype == out.dtype for t in tensors):
             # The common case in two ops: each op of a replica thread may wait for the

@@ -38,3 +38,39 @@ def test_exact_fingerprints_ignore_order_and_see_every_bit(check: str, dtype: to
         view = bit_patterns(flipped).view(-1)
         view[3] ^= (1 << bit) if bit < bits - 1 else -(1 << bit)
         assert of([flipped, tensors[1]])[0] != base[0], bit
+
+
+def test_the_watch_compares_norms_by_their_bits() -> None:
+    """The gradient watch's comparison of the norms at backward's end and at the step
+    (a change through ``p.grad.data``): equal values are unchanged, a NaN norm (an inf
+    gradient a GradScaler skips) equals itself, any other difference is a change, per
+    tensor, also across dtypes (stacked in the widest)."""
+    from mirrored._src.training.gradient_watch import _changed, _norms
+
+    g = torch.Generator().manual_seed(1)
+    grads = [torch.randn(4, 3, generator=g), torch.randn(5, generator=g).double(), None]
+    then = _norms(grads)
+    assert then is not None and len(then) == 2
+    assert _changed(_norms(grads), then) == [False, False]  # type: ignore[arg-type]
+    clamped = [grads[0].clamp(-0.1, 0.1), grads[1]]
+    assert _changed(_norms(clamped), then) == [True, False]  # type: ignore[arg-type]
+    nan = [torch.full((3,), float("nan")), torch.ones(2)]
+    assert _changed(_norms(nan), _norms(nan)) == [False, False]  # type: ignore[arg-type]
+    assert _changed(_norms(nan), _norms([nan[0], torch.zeros(2)])) == [  # type: ignore[arg-type]
+        False, True]
+
+
+def test_equal_rows_sends_nan_and_differences_to_the_bitwise_compare() -> None:
+    """The reducer skips `compare` only when every replica's fingerprint row holds the
+    same values; `compare` then raises for a real difference and passes NaN rows."""
+    from mirrored._src.errors import ReplicaDivergenceError
+    from mirrored._src.training.check import compare, equal_rows
+
+    values = [1.0, 0.0, 2.5, 7.0, 2.5, 7.0, 3.0]  # a flag, 2 rows of 2, a divisor
+    assert equal_rows(values, 2, 2, 2)
+    assert not equal_rows([1.0, 0.0, 2.5, 7.0, 2.5, 7.5], 2, 2, 2)
+    nan = [float("nan"), 1.0, float("nan"), 1.0]
+    assert not equal_rows(nan, 0, 2, 2)
+    compare(torch.tensor(nan).view(2, 2), ["a", "b"], step=1)  # NaN equals itself: no raise
+    with pytest.raises(ReplicaDivergenceError, match="'b' on replica"):
+        compare(torch.tensor([2.5, 7.0, 2.5, 7.5]).view(2, 2), ["a", "b"], step=1)

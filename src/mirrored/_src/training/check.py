@@ -20,7 +20,8 @@ import torch
 from ..errors import ReplicaDivergenceError
 
 __all__ = ["CHEAP_EVERY", "CHECKS", "Check", "bit_patterns", "compare", "crossed_message",
-           "STEPS", "discarded_message", "fingerprint", "modified_message", "same_divisors"]
+           "NO_LOSS", "STEPS", "discarded_message", "equal_rows", "fingerprint",
+           "modified_message", "same_divisors"]
 
 Check = Literal["cheap", "full", "off"]
 # Mirrored optimizer steps taken in this process, by any optimizer (`GradientWatch.discards`).
@@ -147,6 +148,25 @@ def compare(table: torch.Tensor, names: Sequence[str], step: int, params: int = 
         "strategy.run with model.load_state_dict")
 
 
+def equal_rows(values: list[float] | None, start: int, width: int, rows: int) -> bool:
+    """Whether the ``rows`` fingerprint rows of ``width`` values from ``start`` in
+    ``values`` (a reduced table, read) hold the same values: then `compare`, which
+    compares bits, has nothing to find (equal values have equal bits: a norm or a bit
+    sum is never -0.0). A NaN or a difference is for `compare`.
+
+    Example:
+        >>> equal_rows([0.0, 2.0, 3.0, 2.0, 3.0], 1, 2, 2)
+        True
+        >>> equal_rows([0.0, float("nan"), float("nan")], 1, 1, 2)
+        False
+    """
+    if values is None:
+        return False
+    first = values[start:start + width]
+    return all(values[start + g * width:start + (g + 1) * width] == first
+               for g in range(1, rows))
+
+
 def modified_message(names: Sequence[str], replica: int, replicas: int = 2) -> str:
     """The error for gradients changed in place between backward and step (with
     ``replicas`` in sync: one replica is refused too, so that the code that runs on one
@@ -233,3 +253,13 @@ _PER_REPLICA_SIZE = (
     "that one device computes; no replica applied the step. Pass the size of the whole "
     "global batch, the same on every replica (len(x) * num_replicas_in_sync on an even "
     "batch), or leave global_batch_size=None to count each step's examples exactly")
+
+
+NO_LOSS = (
+    "MirroredOptimizer.step on {n} replicas: no replica called compute_average_loss since "
+    "the last step. The step sums the replicas' gradients (as TensorFlow does), so a loss "
+    "averaged per replica (loss.mean(), or a criterion's default reduction='mean', as "
+    "with DDP) trains with {n} times the gradients of one device. Write "
+    "mirrored.compute_average_loss(per_example_loss) with reduction='none'. A loss "
+    "already divided by the global batch size is right: silence this with "
+    "warnings.filterwarnings('ignore', category=mirrored.LossScalingWarning)")

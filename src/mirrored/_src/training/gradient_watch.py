@@ -33,15 +33,27 @@ def _dense(g: torch.Tensor | None) -> bool:
     return g is not None and g.layout == torch.strided  # (sparse: refused by the step)
 
 
-def _norms(grads: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
-    """The 2-norms of the present ``grads``' values, as the bits of one tensor (a NaN
-    norm, from an inf a GradScaler will skip, equals itself; norms of several dtypes
-    are stacked in the widest, which holds each exactly)."""
+def _norms(grads: Sequence[torch.Tensor | None]) -> Sequence[torch.Tensor] | None:
+    """The 2-norms of the present ``grads``' values: one multi-tensor kernel, nothing
+    stacked or viewed (each op of a replica thread may wait for the GIL behind another
+    replica's: the op count is what this costs on N replicas); `_changed` compares."""
     with torch.no_grad():
         present = [g for g in grads if g is not None and g.layout == torch.strided]
-        if not present:
-            return None
-        return bit_patterns(torch.stack(torch._foreach_norm(present)))
+        return torch._foreach_norm(present) if present else None
+
+
+def _changed(now: Sequence[torch.Tensor], then: Sequence[torch.Tensor]) -> list[bool]:
+    """Which of the norms ``now`` differ from ``then`` in their bits (a NaN norm, from an
+    inf a GradScaler will skip, equals itself; norms of several dtypes are stacked in the
+    widest, which holds each exactly): one stack and one read; the bit patterns only
+    when the values differ (a NaN, or a change)."""
+    both = torch.stack([*now, *then])
+    m = len(now)
+    values = both.tolist()
+    if values[:m] == values[m:]:  # (a norm is never -0.0: equal values, equal bits)
+        return [False] * m
+    bits = bit_patterns(both).tolist()
+    return [a != b for a, b in zip(bits[:m], bits[m:], strict=True)]
 
 
 class GradientWatch:
@@ -87,7 +99,7 @@ class GradientWatch:
         self.ends = [0] * len(params)  # per replica: the backward passes it saw end
         self._every, self._settled = CHEAP_EVERY if check == "cheap" else 1, 0
         # per replica: the gradients' norms when its last backward ended (measured steps)
-        self.norms: list[torch.Tensor | None] = [None] * len(params)
+        self.norms: list[Sequence[torch.Tensor] | None] = [None] * len(params)
         self._measure_every, self._cleared = measure_every, [0] * len(params)
         self._measure = [True] * len(params)
         self.handles = self._register()  # (changed in place: the finalizer holds it)
@@ -175,11 +187,9 @@ class GradientWatch:
         # (a change through p.grad.data: the same tensors at the same versions)
         present = [k for k, p in enumerate(params) if _dense(p.grad)]
         now = _norms([params[k].grad for k in present])
-        if now is None or now.shape != then.shape or (
-                now.dtype == then.dtype and torch.equal(now, then)):
+        if now is None or len(now) != len(then):
             return out
-        differ = (now != then).tolist()
-        return [k for k, d in zip(present, differ, strict=True) if d]
+        return [k for k, d in zip(present, _changed(now, then), strict=True) if d]
 
     def clear(self, r: int) -> None:
         """Forgets replica ``r``'s records (its gradients were all-reduced). The records

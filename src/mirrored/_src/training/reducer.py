@@ -43,8 +43,10 @@ from .buffers import (
 from .carry import CarriedGradients, add_kept
 from .check import (
     CHEAP_EVERY,
+    NO_LOSS,
     Check,
     compare,
+    equal_rows,
     fingerprint,
     modified_message,
     same_divisors,
@@ -223,7 +225,7 @@ class GradientReducer:
         parts = self._parts
         divisor = parts.loss_divisors[r]
         # The slot: the largest global_batch_size given, -1 for compute_average_loss
-        # calls without one, 0 for none (`same_divisors`, `_NO_LOSS`).
+        # calls without one, 0 for none (`same_divisors`, `NO_LOSS`).
         calls = parts.loss_calls[r]
         value = divisor or -int(calls != self._loss_calls[r])
         self._loss_calls[r] = calls
@@ -271,16 +273,18 @@ class GradientReducer:
             if live == 0:  # not committed: nothing of this step is used
                 return
             # (elastic: after the vote, which every worker makes)
-            self._frozen(r, reduced[n], at, live, width)
-            slots = self._divisors(r, reduced[n], at, width)
+            values = reduced[n].tolist() if width else None  # (checked: read once)
+            self._frozen(r, reduced[n], at, live, width, values)
+            slots = self._divisors(r, reduced[n], at, width, values)
             for p, t in zip(params, reduced[:n], strict=True):
                 p.grad = t
         else:  # the last bucket's gradients and the rest follow in one all-reduce
             last = buckets.plan[-1]
             reduced = self._sum(ctx, [*(grads[k] for k in last), meta, *stats, *sends])
             self.seq[r] += 1
-            self._frozen(r, reduced[len(last)], at, None, width)
-            slots = self._divisors(r, reduced[len(last)], at, width)
+            values = reduced[len(last)].tolist() if width else None
+            self._frozen(r, reduced[len(last)], at, None, width, values)
+            slots = self._divisors(r, reduced[len(last)], at, width, values)
             for k, t in zip(last, reduced, strict=False):
                 params[k].grad = t
             reduced = [*params, *reduced[len(last):]]
@@ -307,7 +311,8 @@ class GradientReducer:
                 sync.apply_late(self._sum(ctx, late))
         if self._watch is not None:
             self._watch.clear(r)
-        if width:
+        if width and (live is not None or not equal_rows(values, n, width,
+                                                     self._num_replicas)):
             table = reduced[n][n:n + self._num_replicas * width].view(self._num_replicas, width)
             if live is not None:  # elastic: the rows of the replicas in the step
                 table = table[reduced[n][-self._num_replicas:] > 0]
@@ -317,25 +322,26 @@ class GradientReducer:
         self.reduced[r] = True
         # Last (a warning made an error leaves the step whole), once per worker.
         if width and r == 0 and slots is not None and not any(slots):
-            warnings.warn(_NO_LOSS.format(n=live or self._num_replicas), LossScalingWarning,
+            warnings.warn(NO_LOSS.format(n=live or self._num_replicas), LossScalingWarning,
                           stacklevel=user_stacklevel())
 
-    def _divisors(self, r: int, meta: torch.Tensor, at: int, width: int
-                  ) -> list[float] | None:
-        """The step's divisor slots (of the reduced ``meta``, from ``at``), read when
-        local replica ``r`` compares them (it sent or saw a ``global_batch_size``) or
-        the check reads its table (``width``), else ``None`` (not even sliced); raises
-        (`same_divisors`) if they differ."""
+    def _divisors(self, r: int, meta: torch.Tensor, at: int, width: int,
+                  read: list[float] | None = None) -> list[float] | None:
+        """The step's divisor slots (of the reduced ``meta``, from ``at``; ``read``: all of
+        it, read already), read when local replica ``r`` compares them (it sent or saw a
+        ``global_batch_size``) or the check reads its table (``width``), else ``None``
+        (not even sliced); raises (`same_divisors`) if they differ."""
         if not (width or self._divisor_seen[r]):
             return None
-        values = meta[at:at + self._num_replicas].tolist()
+        values = (meta[at:at + self._num_replicas].tolist() if read is None
+                  else read[at:at + self._num_replicas])
         if self._divisor_seen[r] or any(v > 0 for v in values):
             self._divisor_seen[r] = True
             same_divisors(values)
         return values
 
     def _frozen(self, r: int, meta: torch.Tensor, at: int, live: int | None,
-                width: int) -> None:
+                width: int, read: list[float] | None = None) -> None:
         """Raises on every replica, before any gradient is used, if some parameter
         requires a gradient on some replicas' copies and not on others' (its slot of
         the reduced ``meta``, each replica's ``requires_grad`` summed, is neither 0 nor
@@ -347,11 +353,13 @@ class GradientReducer:
         n = len(self._params[r])
         whole = float(self._num_replicas if live is None else live)
         at_flags = at + self._num_replicas
-        slots = meta[at_flags:at_flags + n]
-        # (many: one comparison on the device, then the names only if it fails)
-        if n > 64 and not bool(((slots != 0) & (slots != whole)).any()):
-            return
-        values = slots.tolist()
+        if read is not None:  # (all of the meta, read already)
+            values = read[at_flags:at_flags + n]
+        else:  # (many: one comparison on the device, then the names only if it fails)
+            slots = meta[at_flags:at_flags + n]
+            if n > 64 and not bool(((slots != 0) & (slots != whole)).any()):
+                return
+            values = slots.tolist()
         names = [self._names[k] for k, v in enumerate(values) if v not in (0.0, whole)]
         if names:
             raise RuntimeError(frozen_message(names, r, int(next(
@@ -386,14 +394,3 @@ class GradientReducer:
             self.reduced[r] = True
             return 0
         return int(presence.sum())
-
-
-_NO_LOSS = (
-    "MirroredOptimizer.step on {n} replicas: no replica called compute_average_loss since "
-    "the last step. The step sums the replicas' gradients (as TensorFlow does), so a loss "
-    "averaged per replica (loss.mean(), or a criterion's default reduction='mean', as "
-    "with DDP) trains with {n} times the gradients of one device. Write "
-    "mirrored.compute_average_loss(per_example_loss) with reduction='none'. A loss "
-    "already divided by the global batch size is right: silence this with "
-    "warnings.filterwarnings('ignore', category=mirrored.LossScalingWarning)")
-

@@ -331,6 +331,32 @@ def test_one_optimizer_step_per_step_and_no_overlap(one_worker):
         strategy.run(twice, args=(x,))
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore::mirrored.LossScalingWarning")  # (no per-example loss here)
+def test_elastic_copies_are_compared_by_exact_bit_sums(one_worker):
+    """Elastic workers join with no start-up exchange of their devices, so none can know
+    whether another's replicas sit on another kind of device (where 2-norms of equal
+    copies may differ in the last bit): every worker compares exact bit sums."""
+    strategy = one_worker
+    with strategy.scope():
+        net = strategy.mirror(model(0))
+        opt = strategy.mirror_optimizer(net, lambda p: torch.optim.SGD(p, lr=0.1))
+    x = mirrored.PerReplica([torch.ones(1, 3, dtype=torch.float64)] * 2)
+
+    def step(x: torch.Tensor) -> None:
+        net(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    strategy.run(step, args=(x,))  # equal copies: compared, no error
+    with torch.no_grad():
+        next(net.replicas[1].parameters()).view(-1)[0] += 2.0 ** -40  # one copy, one bit
+    for _ in range(7):  # (check="cheap": the first step and every 8th)
+        strategy.run(step, args=(x,))
+    with pytest.raises(mirrored.ReplicaDivergenceError, match="bit-sum fingerprints"):
+        strategy.run(step, args=(x,))
+
+
 def test_bad_arguments():
     make = elastic.ElasticMirroredStrategy
     with pytest.raises(ValueError, match=r"worker_index must be in 0\.\.1; got 2"):

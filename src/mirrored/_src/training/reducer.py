@@ -87,8 +87,10 @@ class GradientReducer:
         self._parts = strategy._parts
         self._params = params
         self._check: Check = check
-        # Replicas on a GPU and on the CPU compute norms in other orders: bit sums instead.
-        self._exact = self._parts.topology.mixed_kinds
+        # Replicas on a GPU and on the CPU compute norms in other orders: bit sums instead;
+        # also in an elastic job, whose workers join with no start-up exchange that would
+        # tell each the others' devices (every worker must compare the same fingerprint).
+        self._exact = self._parts.topology.mixed_kinds or self._parts.topology.elastic
         self._steps = None if self._parts.cluster is None else self._parts.cluster.steps
         self.optimizer_name = (f"the optimizer of mirrored model #{module._mirrored_number}"
                                f"{subset_text(module.replicas[0], params[0])}")

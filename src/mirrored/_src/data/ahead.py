@@ -9,7 +9,12 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["ReadAhead", "continues"]
+import torch
+
+from .. import pytree
+from ..values import PerReplica
+
+__all__ = ["ReadAhead", "continues", "step_nbytes", "untag"]
 
 
 class ReadAhead:
@@ -59,3 +64,20 @@ def continues(source: Any) -> bool:
         (True, True, False)
     """
     return isinstance(source, Iterator)
+
+
+def step_nbytes(step: Any) -> int:
+    """The bytes of ``step``'s tensors (a `PerReplica`'s components)."""
+    total = 0
+    for leaf in pytree.flatten(step)[0]:
+        for value in leaf.values if isinstance(leaf, PerReplica) else (leaf,):
+            if isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+    return total
+
+
+def untag(step: Any) -> None:
+    """Drops the `StepExamples` of ``step``'s batches (see `DistributedIterator`)."""
+    for leaf in pytree.flatten(step)[0]:
+        if isinstance(leaf, PerReplica):
+            leaf._examples = None

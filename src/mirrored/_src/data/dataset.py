@@ -24,6 +24,7 @@ from .. import pytree
 from ..runtime.replica_call import on_device
 from ..topology import Topology
 from .ahead import ReadAhead, continues
+from .held import HeldBatches
 from .input import InputContext, InputOptions, InputReplicationMode
 from .iterator import DistributedIterator
 from .split import empty_like, flatten_element
@@ -52,14 +53,15 @@ class _Pipelines:
         return contextlib.nullcontext() if self._devices is None else on_device(
             self._devices[k], as_default=True)
 
-    def next(self, replica: int) -> tuple[bool, Any]:
-        """``(True, element)`` or ``(False, None)`` once the replica's pipeline ran out."""
+    def next(self, replica: int, held: HeldBatches, step: int) -> tuple[bool, Any]:
+        """``(True, element)`` or ``(False, None)`` once the replica's pipeline ran out
+        (read for step ``step`` through ``held``: `HeldBatches`)."""
         k = 0 if self.shared else replica
         if self._done[k]:
             return False, None
         try:
             with self._on(k):
-                return True, next(self._iterators[k])
+                return True, held.read(self._iterators[k], step)
         except StopIteration:
             self._done[k] = True
             return False, None
@@ -70,10 +72,10 @@ class _Pipelines:
 
 
 def _whole_element_steps(pipelines: _Pipelines, topology: Topology,
-                         fetch: bool) -> Generator[Any, None, None]:
+                         fetch: bool, held: HeldBatches) -> Generator[Any, None, None]:
     num_local = topology.num_local_replicas
     devices = topology.torch_devices if fetch and not topology.follows_caller else None
-    index = 0
+    index = step = 0
     try:
         while True:
             taken: list[list[torch.Tensor] | None] = []
@@ -81,13 +83,15 @@ def _whole_element_steps(pipelines: _Pipelines, topology: Topology,
             first: Any = None
             first_index = index
             for replica in range(num_local):
-                got, element = pipelines.next(replica)
+                got, element = pipelines.next(replica, held, step)
                 if not got:
                     if pipelines.shared:
                         break
                     taken.append(None)
                     continue
                 leaves, element_spec = flatten_element(element, f"dataset element {index}")
+                held.hold(step, leaves if devices is None else [
+                    t for t in leaves if t.device == devices[replica]])  # (else a copy)
                 if spec is None:
                     spec, first, first_index = element_spec, element, index
                 elif element_spec != spec:
@@ -110,6 +114,7 @@ def _whole_element_steps(pipelines: _Pipelines, topology: Topology,
                       for leaves in taken]
             filled += [[empty_like(t) for t in present[-1]]] * (num_local - len(filled))
             yield pack_step(spec, list(zip(*filled, strict=True)), topology, devices)
+            step += 1
             if ran_out and pipelines.shared:
                 return
     finally:
@@ -201,13 +206,14 @@ class DistributedDataset:
         self._ahead = ReadAhead() if continues(source) else None  # (see `ReadAhead`)
 
     def __iter__(self) -> DistributedIterator:
+        held = HeldBatches()
         steps = global_batch_steps(self._source, self._topology,
                                     self._options.experimental_fetch_to_device, self._count,
-                                    self._options.experimental_compare_batches)
+                                    self._options.experimental_compare_batches, held)
         # (the tags are kept only at the steps where every worker has data)
         return DistributedIterator(steps, self._options, self._any_worker,
                                    self._topology.torch_devices, _length(self._source),
-                                   tagged=self._count, ahead=self._ahead)
+                                   tagged=self._count, ahead=self._ahead, held=held)
 
     def __len__(self) -> int:
         """The number of batches of the source; `TypeError` when it has no ``len()``."""
@@ -280,11 +286,12 @@ class DistributedDatasetsFromFunction:
     def __iter__(self) -> DistributedIterator:
         pipelines = _Pipelines(self._elements, self._topology,
                                self._options.experimental_place_dataset_on_device)
+        held = HeldBatches(elements=True)
         steps = _whole_element_steps(pipelines, self._topology,
-                                     self._options.experimental_fetch_to_device)
+                                     self._options.experimental_fetch_to_device, held)
         return DistributedIterator(steps, self._options, self._any_worker,
                                    self._topology.torch_devices, self._steps_known(),
-                                   ahead=self._ahead)
+                                   ahead=self._ahead, held=held)
 
     def _steps_known(self) -> int:
         """This worker's steps when the pipelines' exact ``len()`` fixes them whatever the

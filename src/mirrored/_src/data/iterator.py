@@ -20,7 +20,8 @@ import torch
 
 from .. import context, pytree
 from ..values import PerReplica
-from .ahead import ReadAhead, continues
+from .ahead import ReadAhead, continues, step_nbytes, untag
+from .held import HeldBatches
 from .input import InputOptions
 from .optional import DistributedOptional
 from .prefetch import InlineSteps, Prefetcher, default_depth
@@ -56,23 +57,6 @@ def _empty_step(step: Any) -> Any:
     return pytree.tree_map(empty, step)
 
 
-def _nbytes(step: Any) -> int:
-    """The bytes of ``step``'s tensors (a `PerReplica`'s components)."""
-    total = 0
-    for leaf in pytree.flatten(step)[0]:
-        for value in leaf.values if isinstance(leaf, PerReplica) else (leaf,):
-            if isinstance(value, torch.Tensor):
-                total += value.numel() * value.element_size()
-    return total
-
-
-def _untag(step: Any) -> None:
-    """Drops the `StepExamples` of ``step``'s batches (see `DistributedIterator`)."""
-    for leaf in pytree.flatten(step)[0]:
-        if isinstance(leaf, PerReplica):
-            leaf._examples = None
-
-
 class DistributedIterator:
     """One pass over a distributed dataset; yields one nest of `PerReplica` per step
     (plain values with a single replica in a single process, as TF).
@@ -99,7 +83,7 @@ class DistributedIterator:
     def __init__(self, steps: Generator[Any, None, None], options: InputOptions,
                  any_worker: AnyWorker | None, devices: Sequence[torch.device] = (),
                  length: int | None = None, tagged: bool = False,
-                 ahead: ReadAhead | None = None) -> None:
+                 ahead: ReadAhead | None = None, held: HeldBatches | None = None) -> None:
         depth = options.prefetch_depth
         if depth is None:
             depth = default_depth(devices, options.experimental_fetch_to_device)
@@ -143,11 +127,23 @@ class DistributedIterator:
         # (0: none, a vote at each step). A source's error is held (in `_held`) until
         # the steps read before it are handed out.
         self._depth = None if options.prefetch_depth is None else max(1, depth)
+        # The source's tensors of the steps not trained on yet (`HeldBatches`): a step
+        # is released when the loop asks for the one after it.
+        self._held_batches = held
 
     def __iter__(self) -> DistributedIterator:
         return self
 
     def __next__(self) -> Any:
+        held = self._held_batches
+        if held is None:
+            return self._next()
+        held.released = held.handed
+        step = self._next()
+        held.handed += 1
+        return step
+
+    def _next(self) -> Any:
         if (s := context._state.stack) and s[-1].in_run and s[-1].replica_context is not None:
             raise ValueError(
                 "next() of a distributed iterator was called inside strategy.run (replica "
@@ -218,7 +214,7 @@ class DistributedIterator:
         if self._ahead:
             step = self._ahead.popleft()
             if self._tagged and self._handed > self._everyone:
-                _untag(step)  # (a worker on empty batches: the count is not known)
+                untag(step)  # (a worker on empty batches: the count is not known)
             self._last = step
             return step
         assert self._last is not None  # (a worker with none raised at the vote)
@@ -258,7 +254,7 @@ class DistributedIterator:
             self._finish()
             raise error
         limit = VOTE_AHEAD if self._depth is None else self._depth
-        nbytes = sum(_nbytes(step) for step in self._ahead)
+        nbytes = sum(step_nbytes(step) for step in self._ahead)
         deadline = time.monotonic() + VOTE_AHEAD_SECONDS
         while not self._exhausted and len(self._ahead) < limit and (not self._ahead or (
                 nbytes < VOTE_AHEAD_BYTES and time.monotonic() < deadline)):
@@ -277,7 +273,7 @@ class DistributedIterator:
                 raise
             else:
                 self._ahead.append(step)
-                nbytes += _nbytes(step)
+                nbytes += step_nbytes(step)
 
     def _finish(self) -> None:
         self._finished = True
@@ -304,7 +300,7 @@ class DistributedIterator:
                     f"{self._total} (the workers' len(): {counts}); a worker without any "
                     "batch cannot make empty batches shaped like the others'. Give every "
                     "worker at least one batch")
-            return next(self)
+            return self._next()
         assert total is not None  # (callers check)
         if self._taken >= total:
             self._finished = True
@@ -330,7 +326,7 @@ class DistributedIterator:
             try:
                 self._last = self._next_step()
                 if self._tagged and self._taken > self._everyone:
-                    _untag(self._last)
+                    untag(self._last)
                 return self._last
             except StopIteration:
                 self._exhausted = True

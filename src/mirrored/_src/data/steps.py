@@ -19,6 +19,7 @@ import torch
 from .. import pytree
 from ..topology import Topology
 from ..values import PerReplica, StepExamples
+from .held import HeldBatches
 from .split import chunk_bounds, flatten_batch, flatten_element, split_leaves, tuple_batch_size
 
 __all__ = ["close_source", "global_batch_steps", "pack_step"]
@@ -90,11 +91,12 @@ def _as_is(batch: Any, device: torch.device | None) -> bool:
 
 
 def global_batch_steps(source: Iterable[Any], topology: Topology,
-                        fetch: bool, tag: bool = False, digest: bool = True
-                        ) -> Generator[Any, None, None]:
+                        fetch: bool, tag: bool = False, digest: bool = True,
+                        held: HeldBatches | None = None) -> Generator[Any, None, None]:
     """The steps of `DistributedDataset`; with ``tag`` (several workers) each step's
     `PerReplica` batches carry its `StepExamples`, with ``digest`` of its elements
-    (`sample_digest`)."""
+    (`sample_digest`); ``held`` reads the source and notes the tensors the steps keep
+    as they are (not copied to a device) until the loop is past them (`HeldBatches`)."""
     n, ids = topology.num_replicas_in_sync, topology.replica_ids
     devices = topology.torch_devices if fetch and not topology.follows_caller else None
     device = None if devices is None else devices[0]
@@ -102,8 +104,19 @@ def global_batch_steps(source: Iterable[Any], topology: Topology,
     as_is = plain and (device is None or device == _CPU)  # a tensor's is_cpu: on device
     tags: dict[int, StepExamples | None] = {}  # per batch size (immutable: shared by steps)
     iterator = iter(source)
+    kept = None if devices is None else frozenset(devices)  # (a copy elsewhere keeps none)
+    index = -1
     try:
-        for index, batch in enumerate(iterator):
+        while True:
+            index += 1
+            try:
+                batch = next(iterator) if held is None else held.read(iterator, index)
+            except StopIteration:
+                return
+            if held is not None:
+                leaves = pytree.flatten(batch)[0]
+                held.hold(index, leaves if kept is None else [
+                    t for t in leaves if isinstance(t, torch.Tensor) and t.device in kept])
             if n == 1:  # nothing to split: elements of any rank pass as they are (TF)
                 # (`_as_is` of a tuple, in C iterators: no bytecode per leaf at each step)
                 if as_is and type(batch) is tuple and batch and all(

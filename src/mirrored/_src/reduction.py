@@ -25,6 +25,7 @@ import torch
 from .reduce_op import ReduceOp
 
 __all__ = [
+    "check_layout",
     "SUM_IS_MEAN",
     "LeafPlan",
     "cached_plan",
@@ -51,11 +52,13 @@ SUM_IS_MEAN = frozenset({torch.float32, torch.float64})
 
 _FLOAT32_MEAN = (torch.int8, torch.uint8, torch.int16)
 _HALF = (torch.float16, torch.bfloat16)
-# dtypes torch cannot add or compare on the CPU (they raise NotImplementedError deep inside).
+# dtypes torch cannot add or compare on the CPU (they raise NotImplementedError deep
+# inside), and the quantized ones (whose add is a quantized op with a scale of its own).
 _UNSUPPORTED = frozenset(
     getattr(torch, name) for name in (
         "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
-        "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2")
+        "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2", "qint8", "quint8", "qint32",
+        "quint4x2", "quint2x4")
     if hasattr(torch, name))
 
 
@@ -143,7 +146,7 @@ def check_dtype(title: str, op: ReduceOp | None, dtype: torch.dtype, where: str)
         raise TypeError(
             f"{title} does not support dtype {str(dtype).removeprefix('torch.')} (at {where}): "
             "torch cannot add or compare it; cast it first, e.g. x.to(torch.int64) or "
-            "x.to(torch.float32)")
+            "x.to(torch.float32) (a quantized tensor: x.dequantize())")
     if op is None:
         return
     if dtype == torch.bool:
@@ -152,6 +155,27 @@ def check_dtype(title: str, op: ReduceOp | None, dtype: torch.dtype, where: str)
     if op in (ReduceOp.MIN, ReduceOp.MAX) and dtype.is_complex:
         raise TypeError(f"{title} is not defined for complex dtype "
                         f"{str(dtype).removeprefix('torch.')} (at {where})")
+
+
+def check_layout(title: str, tensor: torch.Tensor, where: str) -> None:
+    """Refuses tensors the collectives cannot pack: sparse or other non-strided
+    layouts, and meta tensors (no data).
+
+    Raises:
+        TypeError: naming the layout or device and where the tensor is.
+
+    Example:
+        >>> check_layout("reduce(SUM)", torch.ones(2), "value")
+        >>> check_layout("reduce(SUM)", torch.eye(2).to_sparse(), "value")
+        Traceback (most recent call last):
+        ...
+        TypeError: reduce(SUM) takes dense (strided) tensors; got a torch.sparse_coo tensor ...
+    """
+    if tensor.layout is not torch.strided:
+        raise TypeError(f"{title} takes dense (strided) tensors; got a {tensor.layout} tensor "
+                        f"at {where}; convert it first (x.to_dense())")
+    if tensor.is_meta:
+        raise TypeError(f"{title} got a meta tensor (shape only, no data) at {where}")
 
 
 def leaf_dims(title: str, shape: Sequence[int], axes: tuple[int, ...], where: str
@@ -240,6 +264,10 @@ def plan_leaf(title: str, op: ReduceOp, tensor: torch.Tensor, axes: tuple[int, .
         return plan
     dtype = tensor.dtype
     check_dtype(title, op, dtype, where)
+    if axes is not None and dtype == torch.complex32:  # (no sum over a dim in torch)
+        raise TypeError(f"{title} over an axis does not support complex32 (at {where}): "
+                        "torch cannot sum it along a dim; cast it first, e.g. "
+                        "x.to(torch.complex64)")
     dims = None if axes is None else leaf_dims(title, tensor.shape, axes, where)
     plan = LeafPlan(op, dims, dtype, sum_dtype(op, dtype),
                     mean_dtype(dtype) if op is ReduceOp.MEAN else dtype)

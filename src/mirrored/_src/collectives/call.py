@@ -15,10 +15,12 @@ from .. import context, pytree
 from ..comm.communicator import Communicator
 from ..devices import Device
 from ..reduce_op import ReduceOp
-from ..reduction import masked_shape
+from ..reduction import check_layout, masked_shape
 from ..runtime.contract import CallSpec
 from ..values import DistributedValues, to_tensor
 from .parts import Parts
+
+_STRIDED = torch.strided
 
 __all__ = ["call_site", "call_spec", "counts_ride", "paths_of", "refuse_in_merge_fn",
            "sum_with_counts", "tensors_of", "with_paths"]
@@ -113,6 +115,8 @@ def tensors_of(value: Any, title: str) -> tuple[list[torch.Tensor], pytree.PyTre
                     f"{title} takes this replica's own tensors; got a {type(leaf).__name__} at "
                     f"{where}. Pass values from inside strategy.run")
             leaf = to_tensor(leaf, where, title)
+        elif leaf.layout is not _STRIDED or leaf.is_meta:
+            check_layout(title, leaf, paths_of(value)[k])
         tensors.append(leaf)
     return tensors, spec
 

@@ -23,6 +23,7 @@ from ..reduction import (
     LeafPlan,
     cached_plan,
     check_dtype,
+    check_layout,
     finish,
     no_elements_message,
     normalize_axis,
@@ -134,9 +135,12 @@ def reduce(parts: Parts, reduce_op: ReduceOp | str, value: Any, axis: Any) -> An
             check_components(parts, leaf, where)
         if isinstance(leaf, PerReplica):
             components = [_detached(to_tensor(v, where, "reduce")) for v in leaf.values]
+            for c in components:
+                check_layout(title, c, where)
         else:
             first = leaf.values[0] if isinstance(leaf, Mirrored) else leaf
             tensor = _detached(to_tensor(first, where, "reduce"))
+            check_layout(title, tensor, where)
             if topology.worker_values:  # multi-worker: this worker's value, once
                 plan = plan_components(title, op, [tensor], axes, topology.labels[:1], where)
                 partial, count = prepare(plan, tensor)

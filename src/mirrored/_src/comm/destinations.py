@@ -43,7 +43,13 @@ def resolve_destinations(destinations: Any) -> tuple[Device, ...]:
             "destinations must not be empty; pass a device string such as 'CPU:0' or "
             "'cuda:1', a tensor, or a distributed value")
     if isinstance(destinations, str | torch.device):
-        return (parse_device(destinations),)
+        device = parse_device(destinations)
+        if device.kind == "GPU" and device.index >= _gpus():
+            raise ValueError(
+                f"destinations names {device.short_name} ({destinations!r}), but this "
+                f"process has {_gpus()} CUDA device(s); name a device that exists, e.g. "
+                "'CPU:0'")
+        return (device,)
     if isinstance(destinations, list | tuple):
         raise ValueError(
             "destinations must be one device string, a tensor or a distributed value; got a "
@@ -52,6 +58,10 @@ def resolve_destinations(destinations: Any) -> tuple[Device, ...]:
     raise TypeError(
         "destinations must be a device string, a torch.device, a tensor or a distributed "
         f"value; got {type(destinations).__name__}")
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def wrap(outputs: Sequence[torch.Tensor], devices: Sequence[Device]) -> Any:

@@ -302,3 +302,17 @@ def test_run_hands_each_replica_its_components_of_tuple_arguments(strategies):
                                          r"this strategy has 2 replicas"):
         strategy.run(step, args=(x, three, y))
     assert strategy.run(lambda a: a * 2, args=(shared,)) is not None  # no per-replica value
+
+
+def test_merge_call_args_of_different_structures_are_named_as_args(two):
+    """Replicas passing merge_call different nests: the error names merge_call, its call
+    site and the argument (not `run`'s result, as it did)."""
+    def fn():
+        ctx = mirrored.get_replica_context()
+        extra = (torch.ones(1),) if ctx.replica_id_in_sync_group else ()
+        return ctx.merge_call(lambda s, *a: None, args=(torch.zeros(1), *extra))
+
+    with pytest.raises(ValueError, match=r"replicas passed different structures to merge_call "
+                       r"at test_collectives\.py:\d+: at \(args, kwargs\)\[0\]\[1\], replica 0 "
+                       r"passed nothing but replica 1 passed a leaf"):
+        two.run(fn)

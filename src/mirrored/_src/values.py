@@ -213,8 +213,10 @@ def select_replica(index: int, leaves: Sequence[Any]) -> list[Any]:
 
 def regroup(results: Sequence[Any], devices: Sequence[str], *,
             collapse_identical: bool = True, always_per_replica: bool = False,
-            numbers_per_replica: bool = False) -> Any:
-    """Packs what each replica returned into one nest of `PerReplica` leaves.
+            numbers_per_replica: bool = False, passed_to: str = "") -> Any:
+    """Packs what each replica returned into one nest of `PerReplica` leaves
+    (``passed_to``: what the replicas passed them to, for messages, e.g. a
+    ``merge_call``'s ``(args, kwargs)``; by default they returned them from ``run``).
 
     Leaves that every replica returned as the same object (``is``) stay as they
     are, unless ``collapse_identical`` is false, or ``numbers_per_replica`` and they
@@ -238,12 +240,14 @@ def regroup(results: Sequence[Any], devices: Sequence[str], *,
     spec0 = flat[0][1]
     for i in range(1, len(flat)):
         if flat[i][1] != spec0:
-            diff = pytree.first_difference(results[0], results[i], "result")
-            where, got0, got_i = diff if diff is not None else ("the result", str(spec0),
+            root = "(args, kwargs)" if passed_to else "result"
+            diff = pytree.first_difference(results[0], results[i], root)
+            where, got0, got_i = diff if diff is not None else (root, str(spec0),
                                                                 str(flat[i][1]))
+            verb, to = ("passed", f" to {passed_to}") if passed_to else ("returned", "")
             raise ValueError(
-                f"replicas returned different structures: at {where}, replica 0 returned "
-                f"{got0} but replica {i} returned {got_i}; every replica must return the "
+                f"replicas {verb} different structures{to}: at {where}, replica 0 {verb} "
+                f"{got0} but replica {i} {verb} {got_i}; every replica must {verb[:-2]} the "
                 "same nest"
             )
     names = tuple(_canonical(d) for d in devices)

@@ -76,7 +76,8 @@ def merge_call(parts: Parts, index: int, merge_fn: Callable[..., Any], args: Seq
     def combine(payloads: Sequence[_Payload]) -> list[Any]:
         n = len(payloads)
         merged_args, merged_kwargs = regroup([(p[1], p[2]) for p in payloads],
-                                             topology.device_names)
+                                             topology.device_names,
+                                             passed_to=f"merge_call at {site}")
         # merge_fn sees the caller's device, whichever replica's thread runs it.
         # merge_fn is cross-replica code: it draws random numbers from the caller's
         # generator (every replica waits meanwhile), not from a replica's stream.

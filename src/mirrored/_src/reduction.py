@@ -25,7 +25,6 @@ import torch
 from .reduce_op import ReduceOp
 
 __all__ = [
-    "check_layout",
     "SUM_IS_MEAN",
     "LeafPlan",
     "cached_plan",
@@ -155,27 +154,6 @@ def check_dtype(title: str, op: ReduceOp | None, dtype: torch.dtype, where: str)
     if op in (ReduceOp.MIN, ReduceOp.MAX) and dtype.is_complex:
         raise TypeError(f"{title} is not defined for complex dtype "
                         f"{str(dtype).removeprefix('torch.')} (at {where})")
-
-
-def check_layout(title: str, tensor: torch.Tensor, where: str) -> None:
-    """Refuses tensors the collectives cannot pack: sparse or other non-strided
-    layouts, and meta tensors (no data).
-
-    Raises:
-        TypeError: naming the layout or device and where the tensor is.
-
-    Example:
-        >>> check_layout("reduce(SUM)", torch.ones(2), "value")
-        >>> check_layout("reduce(SUM)", torch.eye(2).to_sparse(), "value")
-        Traceback (most recent call last):
-        ...
-        TypeError: reduce(SUM) takes dense (strided) tensors; got a torch.sparse_coo tensor ...
-    """
-    if tensor.layout is not torch.strided:
-        raise TypeError(f"{title} takes dense (strided) tensors; got a {tensor.layout} tensor "
-                        f"at {where}; convert it first (x.to_dense())")
-    if tensor.is_meta:
-        raise TypeError(f"{title} got a meta tensor (shape only, no data) at {where}")
 
 
 def leaf_dims(title: str, shape: Sequence[int], axes: tuple[int, ...], where: str

@@ -15,15 +15,15 @@ from .. import context, pytree
 from ..comm.communicator import Communicator
 from ..devices import Device
 from ..reduce_op import ReduceOp
-from ..reduction import check_layout, masked_shape
+from ..reduction import masked_shape
 from ..runtime.contract import CallSpec
 from ..values import DistributedValues, to_tensor
 from .parts import Parts
 
 _STRIDED = torch.strided
 
-__all__ = ["call_site", "call_spec", "counts_ride", "paths_of", "refuse_in_merge_fn",
-           "sum_with_counts", "tensors_of", "with_paths"]
+__all__ = ["call_site", "call_spec", "check_layout", "counts_ride", "paths_of",
+           "refuse_in_merge_fn", "sum_with_counts", "tensors_of", "with_paths"]
 
 T = TypeVar("T")
 _HOST = (Device("CPU", 0),)  # where counts read on the host are sent
@@ -97,6 +97,27 @@ def with_paths(value: Any, n: int, plan: Callable[[Sequence[str]], T]) -> T:
         return plan(["value"] * n)
     except (TypeError, ValueError):
         return plan(paths_of(value))
+
+
+def check_layout(title: str, tensor: torch.Tensor, where: str) -> None:
+    """Refuses tensors the collectives cannot pack: sparse or other non-strided
+    layouts, and meta tensors (no data).
+
+    Raises:
+        TypeError: naming the layout or device and where the tensor is.
+
+    Example:
+        >>> check_layout("reduce(SUM)", torch.ones(2), "value")
+        >>> check_layout("reduce(SUM)", torch.eye(2).to_sparse(), "value")
+        Traceback (most recent call last):
+        ...
+        TypeError: reduce(SUM) takes dense (strided) tensors; got a torch.sparse_coo tensor ...
+    """
+    if tensor.layout is not torch.strided:
+        raise TypeError(f"{title} takes dense (strided) tensors; got a {tensor.layout} tensor "
+                        f"at {where}; convert it first (x.to_dense())")
+    if tensor.is_meta:
+        raise TypeError(f"{title} got a meta tensor (shape only, no data) at {where}")
 
 
 def tensors_of(value: Any, title: str) -> tuple[list[torch.Tensor], pytree.PyTreeSpec]:

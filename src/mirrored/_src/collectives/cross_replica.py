@@ -23,7 +23,6 @@ from ..reduction import (
     LeafPlan,
     cached_plan,
     check_dtype,
-    check_layout,
     finish,
     no_elements_message,
     normalize_axis,
@@ -34,7 +33,7 @@ from ..reduction import (
     prepare,
 )
 from ..values import DistributedValues, Mirrored, PerReplica, to_tensor
-from .call import counts_ride, sum_with_counts
+from .call import check_layout, counts_ride, sum_with_counts
 from .parts import Parts
 
 __all__ = ["check_components", "gather", "reduce"]

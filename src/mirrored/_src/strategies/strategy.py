@@ -66,6 +66,8 @@ class Strategy:
         self._extended = StrategyExtended(self._parts)
         self._raw_single_values = raw_single_values
         self._solo = solo_run(self, self._parts, self._contexts[0])  # one replica: fast run
+        if topology.num_local_replicas > 1:  # (a plain optimizer shared by the replicas)
+            plain_optimizer.install()
         weakref.finalize(self, runtime.close)
 
     @property

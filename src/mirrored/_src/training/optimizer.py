@@ -30,7 +30,7 @@ from .check import CHECKS, STEPS, Check, discarded_message
 from .gradient_watch import GradientWatch
 from .hyper import StepHyperParameters
 from .module import MirroredModule, as_mirrored_module, replica_index, replica_of
-from .plain_optimizer import refuse_scheduler, trust
+from .plain_optimizer import check_made, refuse_scheduler, trust
 from .reducer import GradientReducer
 from .structure import check_module
 
@@ -338,7 +338,8 @@ def mirror_optimizer(strategy: Strategy, mirrored_module: MirroredModule,
 
     Raises:
         TypeError: not a `MirroredModule`, ``make_optimizer`` returned no optimizer, or
-            ``overlap`` is not a bool or ``None``.
+            one whose ``step`` requires a closure (LBFGS), or ``overlap`` is not a bool
+            or ``None``.
         ValueError: another strategy's module, optimizers over other parameters on
             some copy, or a ``check`` or ``buffers`` that is not one of its values.
         RuntimeError: the copies differ in layout (see `MirroredModule`).
@@ -378,9 +379,7 @@ def mirror_optimizer(strategy: Strategy, mirrored_module: MirroredModule,
     positions: list[int] | None = None
     for r, module in enumerate(mirrored_module.replicas):
         optimizer = make_optimizer(list(module.parameters()))
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"make_optimizer must return a torch.optim.Optimizer; got "
-                            f"{type(optimizer).__name__} for replica {r}")
+        check_made(optimizer, r)  # (an optimizer, whose step() needs no closure)
         index = {id(p): k for k, p in enumerate(module.parameters())}
         ordered = [p for group in optimizer.param_groups for p in group["params"]]
         where = [index.get(id(p), -1) for p in ordered]

@@ -11,10 +11,21 @@ cleared yet in a table of the copies' parameters (weakly held); the mirrored
 optimizer and its per-replica optimizers are trusted (`trust`): the hook costs them
 one attribute lookup per step, and the mirrored optimizer's own step does not count
 it among the hooks it must run.
+
+The same hook refuses a plain optimizer stepped by two replicas of one ``run`` (one
+shared by the replicas, over a parameter outside the mirrored model: N steps per
+global step, on the one ``.grad`` they share): it keeps the replica and run that last
+stepped it, one lookup per step inside ``run``. Torch has no global ``zero_grad`` hook: the
+hook, when it first clears an optimizer, wraps that instance's ``zero_grad``
+(`_watch_zero_grad`; torch's pickling and deep copies drop it), so a ``zero_grad()``
+by two replicas of one run is refused from the optimizer's first step on.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import os
 import sys
 import threading
 import weakref
@@ -27,8 +38,10 @@ import torch
 import torch.optim.optimizer as _torch_optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["GUARD", "SCHEDULERS", "forget", "refuse_scheduler", "register_copies",
-           "subset_text", "trust"]
+from .. import context
+
+__all__ = ["GUARD", "SCHEDULERS", "check_made", "forget", "install", "refuse_scheduler",
+           "register_copies", "subset_text", "trust"]
 
 T = TypeVar("T")
 _TRUSTED = "_mirrored_trusted"
@@ -39,6 +52,34 @@ _copies: Any = WeakIdKeyDictionary()
 _clear: Any = WeakIdKeyDictionary()
 GUARD = [0]  # global pre-hooks of this module's: 1 once installed
 _generation = [0]  # mirrorings so far: a check that overlapped one is not cached
+# optimizer -> ((id of the run's parts, its generation), the replica, what it did) that
+# last stepped or zeroed it inside a run (`_one_replica`)
+_used: Any = WeakIdKeyDictionary()
+_used_lock = [threading.Lock()]
+_WATCHED = "_mirrored_watches_zero_grad"
+
+
+def _after_fork_in_child() -> None:
+    # (a child's runtimes count their runs from 1 again; a lock may have been held)
+    _used.clear()
+    _used_lock[0] = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def install() -> None:
+    """Installs the hook (once): a strategy with several local replicas, or a module
+    mirrored over several replicas, exists."""
+    with _lock:
+        _install_locked()
+
+
+def _install_locked() -> None:
+    if not GUARD[0]:
+        _torch_optimizer.register_optimizer_step_pre_hook(_refuse)
+        GUARD[0] = 1
 
 
 def register_copies(copies: Iterable[torch.nn.Module], strategy: Any) -> None:
@@ -55,9 +96,8 @@ def register_copies(copies: Iterable[torch.nn.Module], strategy: Any) -> None:
                     _copies[p] = (k, name, n, weakref.ref(strategy))
                 else:
                     _copies.pop(p, None)
-        if n > 1 and not GUARD[0]:
-            _torch_optimizer.register_optimizer_step_pre_hook(_refuse)
-            GUARD[0] = 1
+        if n > 1:
+            _install_locked()
 
 
 def forget(strategy: Any) -> None:
@@ -76,23 +116,36 @@ def trust(owner: torch.optim.Optimizer, optimizers: T) -> T:
     return optimizers
 
 
+def _name(optimizer: torch.optim.Optimizer) -> str:
+    """``torch.optim.SGD`` (torch's own), else the class's module and name."""
+    kind = type(optimizer)
+    plain = kind.__qualname__
+    return (f"torch.optim.{plain}" if getattr(torch.optim, plain, None) is kind
+            else f"{kind.__module__}.{plain}")
+
+
 def _refuse(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """The pre-hook: raises if ``optimizer`` holds a parameter of a mirrored copy."""
+    """The pre-hook: raises if ``optimizer`` holds a parameter of a mirrored copy, or
+    another replica of this run stepped or zeroed it."""
     if getattr(optimizer, _TRUSTED, False):
         return
     count = sum(len(group["params"]) for group in optimizer.param_groups)
+    if _clear.get(optimizer) != count:
+        _refuse_copies(optimizer, count)
+    if (ctx := context.current_replica_context()) is not None:
+        _one_replica(optimizer, ctx, "stepped")
+
+
+def _refuse_copies(optimizer: torch.optim.Optimizer, count: int) -> None:
+    """Raises if ``optimizer`` holds a parameter of a mirrored copy; else clears it
+    (cached) and watches its ``zero_grad``."""
     generation = _generation[0]
-    if _clear.get(optimizer) == count:
-        return
     for group in optimizer.param_groups:
         for p in group["params"]:
             found = _copies.get(p)
             if found is not None and found[3]() is not None:  # (a strategy still alive)
                 k, name, n, _ = found
-                kind = type(optimizer)
-                plain = kind.__qualname__
-                plain = (f"torch.optim.{plain}" if getattr(torch.optim, plain, None) is kind
-                         else f"{kind.__module__}.{plain}")
+                plain = _name(optimizer)
                 raise RuntimeError(
                     f"{plain}.step() would update the "
                     f"parameters of a model mirrored over {n} replicas (copy {k}'s "
@@ -102,8 +155,89 @@ def _refuse(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
                     "mirrored does in the mirrored optimizer's step). Nothing was updated. "
                     "Build it with strategy.mirror_optimizer(model, lambda params: "
                     f"{plain}(params, ...)) and step that")
+    _watch_zero_grad(optimizer)
     if generation == _generation[0]:
         _clear[optimizer] = count
+
+
+def _one_replica(optimizer: torch.optim.Optimizer, ctx: Any, what: str) -> None:
+    """Records that replica ``ctx`` ``what`` (stepped, zeroed) ``optimizer`` in its run;
+    raises if another replica of the same run did (one-replica runs: never)."""
+    parts = ctx._parts
+    generation = parts.runtime.generation()  # (0: a run on the caller, one local replica)
+    if not generation:
+        return
+    key, replica = (id(parts), generation), ctx._replica_id
+    with _used_lock[0]:
+        last = _used.get(optimizer)
+        if last is None or last[0] != key or last[1] == replica:
+            _used[optimizer] = (key, replica, what)
+            return
+    first = last[2] + " by"
+    then = "" if last[2] == what else f"{what} by "
+    n = parts.topology.num_local_replicas
+    harm = (f"each replica would step it, {n} steps per global step where one device takes "
+            "one, on a gradient the replicas share" if "stepped" in (what, last[2]) else
+            "one replica's zero_grad() wipes what another's backward() summed into the .grad "
+            "the replicas share, and a step after run sees part of the global gradient")
+    raise RuntimeError(
+        f"A plain {_name(optimizer)} (not made by strategy.mirror_optimizer) was {first} "
+        f"replica {last[1]} and {then}replica {replica} in one strategy.run: {harm}. "
+        f"Replica {replica}'s call was refused. Step and zero it "
+        "outside strategy.run, after run returns: the replicas' backward passes sum into a "
+        "shared parameter's .grad, which with compute_average_loss is the global gradient, "
+        "as on one device. Or make it with strategy.mirror_optimizer (a mirrored model's "
+        "parameters). One optimizer per replica over that replica's own parameters may be "
+        "stepped inside run")
+
+
+def _watch_zero_grad(optimizer: torch.optim.Optimizer) -> None:
+    """Wraps ``optimizer``'s ``zero_grad`` (its instance's, once) so that a call inside
+    ``run`` counts as a use by the calling replica (`_one_replica`)."""
+    inner = vars(optimizer).get("zero_grad")  # (None: the class's, looked up at each call)
+    if getattr(inner, _WATCHED, False):
+        return
+    ref = weakref.ref(optimizer)  # (no cycle: the optimizer's state is freed with it)
+
+    @functools.wraps(type(optimizer).zero_grad)
+    def zero_grad(*args: Any, **kwargs: Any) -> Any:
+        opt = ref()
+        if opt is None:
+            return None
+        if (ctx := context.current_replica_context()) is not None:
+            _one_replica(opt, ctx, "zeroed")
+        return (inner if inner is not None else type(opt).zero_grad.__get__(opt))(
+            *args, **kwargs)
+
+    setattr(zero_grad, _WATCHED, True)
+    optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+
+
+def check_made(optimizer: Any, r: int) -> None:
+    """Raises unless ``optimizer`` (``make_optimizer``'s for replica ``r``) is a torch
+    optimizer whose ``step()`` needs no argument: a mirrored step calls it with none.
+
+    Raises:
+        TypeError: not an optimizer; its ``step`` requires a closure (LBFGS).
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"make_optimizer must return a torch.optim.Optimizer; got "
+                        f"{type(optimizer).__name__} for replica {r}")
+    try:
+        parameters = inspect.signature(optimizer.step).parameters.values()
+    except (TypeError, ValueError):  # (no signature to read: stepped as is)
+        return
+    required = [p.name for p in parameters if p.default is p.empty
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if required:
+        raise TypeError(
+            f"make_optimizer built a {_name(optimizer)} whose step() requires "
+            f"{required[0]!r}: optimizers whose step takes a closure that re-evaluates the "
+            "loss several times per step (LBFGS) are not supported by mirror_optimizer, "
+            "whose step() all-reduces the gradients of the backward passes made before it "
+            "and steps each replica's optimizer once, without a closure (a closure given to "
+            "it is called once, before). Use a first-order optimizer (SGD, Adam, ...), or "
+            "run LBFGS as a plain torch optimizer without a strategy")
 
 
 # The modules whose code steps a torch LR scheduler (every scheduler's ``step``, and

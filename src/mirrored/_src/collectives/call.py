@@ -101,7 +101,7 @@ def with_paths(value: Any, n: int, plan: Callable[[Sequence[str]], T]) -> T:
 
 def check_layout(title: str, tensor: torch.Tensor, where: str) -> None:
     """Refuses tensors the collectives cannot pack: sparse or other non-strided
-    layouts, and meta tensors (no data).
+    layouts (meta tensors pass: one replica's collectives keep them, shapes only).
 
     Raises:
         TypeError: naming the layout or device and where the tensor is.
@@ -116,8 +116,6 @@ def check_layout(title: str, tensor: torch.Tensor, where: str) -> None:
     if tensor.layout is not torch.strided:
         raise TypeError(f"{title} takes dense (strided) tensors; got a {tensor.layout} tensor "
                         f"at {where}; convert it first (x.to_dense())")
-    if tensor.is_meta:
-        raise TypeError(f"{title} got a meta tensor (shape only, no data) at {where}")
 
 
 def tensors_of(value: Any, title: str) -> tuple[list[torch.Tensor], pytree.PyTreeSpec]:
@@ -136,7 +134,7 @@ def tensors_of(value: Any, title: str) -> tuple[list[torch.Tensor], pytree.PyTre
                     f"{title} takes this replica's own tensors; got a {type(leaf).__name__} at "
                     f"{where}. Pass values from inside strategy.run")
             leaf = to_tensor(leaf, where, title)
-        elif leaf.layout is not _STRIDED or leaf.is_meta:
+        elif leaf.layout is not _STRIDED:
             check_layout(title, leaf, paths_of(value)[k])
         tensors.append(leaf)
     return tensors, spec

@@ -136,6 +136,10 @@ def reduce(parts: Parts, reduce_op: ReduceOp | str, value: Any, axis: Any) -> An
             components = [_detached(to_tensor(v, where, "reduce")) for v in leaf.values]
             for c in components:
                 check_layout(title, c, where)
+                if c.is_meta and len(components) > 1:
+                    raise TypeError(f"{title} got meta tensors (shapes only, no data) at "
+                                    f"{where}: {len(components)} replicas' values cannot be "
+                                    "combined")
         else:
             first = leaf.values[0] if isinstance(leaf, Mirrored) else leaf
             tensor = _detached(to_tensor(first, where, "reduce"))

@@ -7,7 +7,10 @@ them, before the step's all-reduce, and every other local replica takes them aft
 that all-reduce: the meeting orders the two. Read from replica 0's optimizer after
 the meeting instead, a step function that changes the learning rate after
 ``optimizer.step()`` raced with the replicas still stepping (some took the next
-step's rate).
+step's rate). A value another replica set itself since it last took replica 0's
+(inside ``run``) must equal replica 0's: one computed from the replica's own share
+of the batch (its loss) differs, and was silently replaced by replica 0's (TF
+refuses a per-replica assignment to a mirrored variable); `take` raises.
 
 Outside ``run`` the mirrored optimizer's ``state`` is replica 0's optimizer's. What
 code changes there (``optimizer.state.clear()`` to reset Adam's moments, one
@@ -48,6 +51,9 @@ class StepHyperParameters:
         self._optimizers, self._params = optimizers, params
         self._by_step: dict[int, list[dict[str, Any]]] = {}
         self._handed_out: list[Any] | None = None  # replica 0's state's signature
+        # what each replica's groups held when `take` last wrote them (at first: their own)
+        self._written: list[list[Written]] = [
+            [_written(group) for group in o.param_groups] for o in optimizers]
 
     def state_handed_out(self) -> None:
         """Replica 0's state was handed out (outside ``run``): notes its signature."""
@@ -115,7 +121,61 @@ class StepHyperParameters:
                         "scheduler after scaler.step)")
 
     def take(self, r: int, step: int) -> None:
-        """Replica ``r`` (not 0), after the all-reduce of ``step``: sets replica 0's."""
-        for source, target in zip(self._by_step[step], self._optimizers[r].param_groups,
-                                  strict=True):
+        """Replica ``r`` (not 0), after the all-reduce of ``step``: sets replica 0's.
+
+        Raises:
+            RuntimeError: replica ``r`` set a value since it last took replica 0's (in
+                ``run``: from its own share of the batch) that differs from replica 0's.
+        """
+        groups, written = self._optimizers[r].param_groups, self._written[r]
+        if len(written) == len(groups):  # (a group added since: not compared)
+            for g, (source, target, (group, was, versions)) in enumerate(
+                    zip(self._by_step[step], groups, written, strict=True)):
+                if target is not group:  # (replaced: load_state_dict, outside run)
+                    continue
+                for key, value in source.items():
+                    now = target.get(key, _GONE)
+                    if ((now is not was.get(key, _GONE) or (key in versions and isinstance(
+                            now, torch.Tensor) and now._version != versions[key]))
+                            and not _equal(now, value) and not _equal(now, was.get(key))):
+                        raise RuntimeError(_differs(key, g, r, now, value))
+        for source, target in zip(self._by_step[step], groups, strict=True):
             target.update(source)
+        self._written[r] = [_written(group) for group in groups]
+
+
+_GONE = object()
+Written = tuple[dict[str, Any], dict[str, Any], dict[str, int]]
+
+
+def _written(group: dict[str, Any]) -> Written:
+    """A parameter group, its entries (their objects) and its tensors' versions."""
+    entries = {k: v for k, v in group.items() if k != "params"}
+    return group, entries, {k: v._version for k, v in entries.items()
+                            if isinstance(v, torch.Tensor)}
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Whether two entries of a parameter group hold the same value (a tensor's: its
+    elements, a number's against a one-element tensor's too)."""
+    if a is b:
+        return True
+    try:
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            ta, tb = (torch.as_tensor(v).detach().cpu() for v in (a, b))
+            return ta.shape == tb.shape and bool((ta == tb).all())
+        return bool(a == b)
+    except Exception:  # (no truth value, no tensor of it: taken as different)
+        return False
+
+
+def _differs(key: str, group: int, r: int, mine: Any, first: Any) -> str:
+    return (f"MirroredOptimizer.step: local replica {r} set {key!r} of parameter group "
+            f"{group} to {mine!r} inside strategy.run, and replica 0's is {first!r}: every "
+            "replica steps with replica 0's value, so a value set from a replica's own share "
+            "of the batch (its loss) would be dropped, where one device computes it from the "
+            "whole batch. Every replica must set the same value: compute it from a value "
+            "reduced across the replicas (mirrored.get_replica_context().all_reduce(...) in "
+            "the step, or strategy.reduce of run's result), from the step number, or set it "
+            "outside strategy.run (as a scheduler does: replica 0's optimizer's values reach "
+            "every replica)")

@@ -183,8 +183,8 @@ class MirroredModule(CopiesModule):
         index = self._known.get(ctx) if ctx is not None else None
         if index is None:
             index = self._index()
-            if index is None:  # replica 0's copy, outside run (a lazy module initializes)
-                CHANGES[0] += 1
+            if index is None:  # replica 0's copy, outside run: what it writes (buffers,
+                expose(self, True)  # a lazy module's init) reaches the others at the next run
                 index = 0
         output = _run_copy(self._calls[index], *args, **kwargs)
         if self._carrying[index]:

@@ -219,12 +219,20 @@ def _plain_state(before: dict[str, Any], theirs_before: dict[str, Any], first: n
             theirs[name] = value
 
 
-def _versions(module: nn.Module) -> dict[str, tuple[torch.Tensor, int]]:
-    return {name: (t, t._version) for name, t in module._buffers.items() if t is not None}
+def _versions(module: nn.Module) -> dict[str, tuple[torch.Tensor, Any]]:
+    return {n: (t, _version(module, n, t)) for n, t in module._buffers.items() if t is not None}
 
 
-def _buffer_state(before: dict[str, tuple[torch.Tensor, int]],
-                  theirs_before: dict[str, tuple[torch.Tensor, int]], first: nn.Module,
+def _version(module: nn.Module, name: str, t: torch.Tensor) -> Any:
+    """``t``'s version, with ``num_batches_tracked``'s for BatchNorm's running statistics
+    (torch's kernel updates them in a forward in train mode without moving theirs)."""
+    running = name in ("running_mean", "running_var")
+    tracked = module._buffers.get("num_batches_tracked") if running else None
+    return t._version if tracked is None else (t._version, tracked._version)
+
+
+def _buffer_state(before: dict[str, tuple[torch.Tensor, Any]],
+                  theirs_before: dict[str, tuple[torch.Tensor, Any]], first: nn.Module,
                   other: nn.Module) -> None:
     """Gives ``other`` the buffers that replica 0's ``first`` changed outside ``run``
     (written in place, or replaced) since ``before`` was recorded, where ``other``'s
@@ -235,10 +243,10 @@ def _buffer_state(before: dict[str, tuple[torch.Tensor, int]],
     for name, t in first._buffers.items():
         was, mine = before.get(name), other._buffers.get(name)
         if t is None or mine is None or (was is not None and was[0] is t
-                                         and was[1] == t._version):
+                                         and was[1] == _version(first, name, t)):
             continue
         kept = theirs_before.get(name)
-        if kept is None or kept[0] is not mine or kept[1] != mine._version:
+        if kept is None or kept[0] is not mine or kept[1] != _version(other, name, mine):
             continue  # (changed on this copy too: its own)
         if mine.shape == t.shape and mine.dtype == t.dtype:
             with torch.no_grad():

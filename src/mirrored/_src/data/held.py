@@ -62,10 +62,11 @@ class HeldBatches:
         self.released = 0  # steps numbered below this are trained on: not held
 
     def hold(self, step: int, leaves: Sequence[Any]) -> None:
-        """Notes the tensors among ``leaves`` (the source's, as read) of step ``step``."""
-        tensors = tuple(t for t in leaves if isinstance(t, torch.Tensor))
-        if tensors:
-            self._held.append((step, tensors))
+        """Notes the tensors among ``leaves`` (the source's, as read; a tuple: all
+        tensors) of step ``step``."""
+        if leaves:
+            self._held.append((step, tuple(leaves) if type(leaves) is tuple else tuple(
+                t for t in leaves if isinstance(t, torch.Tensor))))
 
     def read(self, source: Iterator[Any], step: int) -> Any:
         """``next(source)`` for step ``step``.

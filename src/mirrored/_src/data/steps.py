@@ -113,8 +113,9 @@ def global_batch_steps(source: Iterable[Any], topology: Topology,
                 batch = next(iterator) if held is None else held.read(iterator, index)
             except StopIteration:
                 return
-            if held is not None:
-                leaves = pytree.flatten(batch)[0]
+            if held is not None:  # ((x, y): no flattening, in C iterators)
+                leaves = batch if type(batch) is tuple and all(
+                    map(is_, map(type, batch), _TENSORS)) else pytree.flatten(batch)[0]
                 held.hold(index, leaves if kept is None else [
                     t for t in leaves if isinstance(t, torch.Tensor) and t.device in kept])
             if n == 1:  # nothing to split: elements of any rank pass as they are (TF)

@@ -42,6 +42,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from .. import context
+from .outside_state import carry_state, record
 from .plain_optimizer import register_copies
 
 __all__ = ["CHANGES", "LAYOUT", "check_copies", "check_module", "expose", "frozen_message",
@@ -166,15 +167,10 @@ def check_module(module: Any, *, full: bool = False) -> None:
             if m.training != m0.training:
                 m.training = m0.training
             if seen is not None:
-                _plain_state(seen[0][i][0], seen[k][i][0], m0, m)
-                _buffer_state(seen[0][i][1], seen[k][i][1], m0, m)
+                carry_state(seen[0][i], seen[k][i], m0, m)
     if module.__dict__["_lazy"]:  # initialized since (each copy by its own forward)
         _initialize(named, module.__dict__["_lazy"])
         module.__dict__["_lazy"] = {name for name, p in first if is_lazy(p)}
-
-
-_TORCH_OWN = frozenset(nn.Module().__dict__)  # (what torch keeps in a module's __dict__)
-_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 
 
 def expose(module: Any, outside_run: bool) -> None:
@@ -188,81 +184,7 @@ def expose(module: Any, outside_run: bool) -> None:
     own = module.__dict__
     if (own.get("_plain_seen") is None and "_modules" in own and len(own["_copies"]) > 1
             and not context.run_in_flight(own["_strategy"])):
-        own["_plain_seen"] = [[(_plain(m), _versions(m)) for m in mods]
-                              for mods in own["_modules"]]
-
-
-def _plain(module: nn.Module) -> dict[str, Any]:
-    return {name: value for name, value in module.__dict__.items() if name not in _TORCH_OWN}
-
-
-_GONE = object()
-
-
-def _plain_state(before: dict[str, Any], theirs_before: dict[str, Any], first: nn.Module,
-                 other: nn.Module) -> None:
-    """Gives ``other`` the plain attributes of immutable values (None, numbers, strings,
-    tuples of them) that replica 0's ``first`` changed outside ``run`` since ``before``
-    was recorded, where ``other``'s are as ``theirs_before`` recorded: a method of the
-    user's module called through the mirrored model there (``model.reset_state()``)
-    ran on replica 0's copy alone. One a copy set itself (in ``run``, or through
-    ``model.replicas``) is its own, and kept; tensors and other objects are not copied."""
-    now, theirs = first.__dict__, other.__dict__
-    for name in (now.keys() | before.keys()) - _TORCH_OWN:
-        value = now.get(name, _GONE)
-        if (_same(before.get(name, _GONE), value) or not _immutable(value)
-                or not _same(theirs_before.get(name, _GONE), theirs.get(name, _GONE))):
-            continue  # (unchanged on replica 0, not plain, or changed on this copy)
-        if value is _GONE:  # (deleted on replica 0's copy)
-            theirs.pop(name, None)
-        else:
-            theirs[name] = value
-
-
-def _versions(module: nn.Module) -> dict[str, tuple[torch.Tensor, Any]]:
-    return {n: (t, _version(module, n, t)) for n, t in module._buffers.items() if t is not None}
-
-
-def _version(module: nn.Module, name: str, t: torch.Tensor) -> Any:
-    """``t``'s version, with ``num_batches_tracked``'s for BatchNorm's running statistics
-    (torch's kernel updates them in a forward in train mode without moving theirs)."""
-    running = name in ("running_mean", "running_var")
-    tracked = module._buffers.get("num_batches_tracked") if running else None
-    return t._version if tracked is None else (t._version, tracked._version)
-
-
-def _buffer_state(before: dict[str, tuple[torch.Tensor, Any]],
-                  theirs_before: dict[str, tuple[torch.Tensor, Any]], first: nn.Module,
-                  other: nn.Module) -> None:
-    """Gives ``other`` the buffers that replica 0's ``first`` changed outside ``run``
-    (written in place, or replaced) since ``before`` was recorded, where ``other``'s
-    are as ``theirs_before`` recorded (``model.reset_state()`` zeroing an EMA,
-    ``reset_running_stats()`` on a submodule): else the next step averaged replica
-    0's reset value with the others' old one. A buffer added, or written through
-    ``.data`` (torch's version counter does not move), is left alone."""
-    for name, t in first._buffers.items():
-        was, mine = before.get(name), other._buffers.get(name)
-        if t is None or mine is None or (was is not None and was[0] is t
-                                         and was[1] == _version(first, name, t)):
-            continue
-        kept = theirs_before.get(name)
-        if kept is None or kept[0] is not mine or kept[1] != _version(other, name, mine):
-            continue  # (changed on this copy too: its own)
-        if mine.shape == t.shape and mine.dtype == t.dtype:
-            with torch.no_grad():
-                mine.copy_(t)
-        else:
-            other._buffers[name] = t.detach().to(mine.device, copy=True)
-
-
-def _immutable(value: Any) -> bool:
-    if isinstance(value, tuple | frozenset):
-        return all(_immutable(v) for v in value)
-    return value is _GONE or isinstance(value, _IMMUTABLE)
-
-
-def _same(a: Any, b: Any) -> bool:
-    return a is b or (type(a) is type(b) and _immutable(a) and bool(a == b))
+        own["_plain_seen"] = [[record(m) for m in mods] for mods in own["_modules"]]
 
 
 def _current(named: list[list[tuple[str, nn.Parameter]]],

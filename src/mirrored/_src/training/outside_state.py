@@ -1,0 +1,130 @@
+"""What code outside ``strategy.run`` changes on replica 0's copy of a mirrored model
+through the model (a method, a forward, an in-place edit of ``model.parameters()``),
+carried to the other copies at the next ``run`` (`structure.check_module`).
+
+Outside ``run`` the mirrored model reads as replica 0's copy. When it is handed out
+(`structure.expose`), every copy's modules are recorded (`record`): their plain
+attributes, and their buffers' and parameters' tensors and version counters. At the
+next ``run`` (`carry_state`), what changed on replica 0's copy since, and not on the
+other copy, is given to the other copy: plain attributes of immutable values, buffers
+written in place or replaced (``model.reset_state()``, ``reset_running_stats()``, a
+forward in train mode updating an EMA or BatchNorm's statistics), and parameters
+written in place (``with torch.no_grad(): for p in model.parameters(): p.clamp_(-c, c)``,
+a WGAN critic's clipping; TF's assignment to a mirrored variable outside a replica
+updates every copy). A change made on that copy too is its own and kept. Writes
+through ``.data`` move no version counter and are not seen; the divergence check
+finds a parameter changed that way at its next checked step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parameter import is_lazy
+
+__all__ = ["carry_state", "record"]
+
+Record = tuple[dict[str, Any], dict[str, tuple[torch.Tensor, Any]],
+               dict[str, tuple[torch.Tensor, Any]]]
+
+
+def record(module: nn.Module) -> Record:
+    """``module``'s plain attributes, and its buffers' and parameters' tensors and
+    versions, as they are now."""
+    return (_plain(module), _versions(module, module._buffers),
+            _versions(module, module._parameters))
+
+
+def carry_state(before: Record, theirs_before: Record, first: nn.Module,
+                other: nn.Module) -> None:
+    """Gives ``other`` what replica 0's ``first`` changed since ``before`` was recorded,
+    where ``other`` is as ``theirs_before`` recorded it (see the module)."""
+    _plain_state(before[0], theirs_before[0], first, other)
+    _tensor_state(before[1], theirs_before[1], first, other, buffers=True)
+    _tensor_state(before[2], theirs_before[2], first, other, buffers=False)
+
+
+_TORCH_OWN = frozenset(nn.Module().__dict__)  # (what torch keeps in a module's __dict__)
+_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+
+
+def _plain(module: nn.Module) -> dict[str, Any]:
+    return {name: value for name, value in module.__dict__.items() if name not in _TORCH_OWN}
+
+
+_GONE = object()
+
+
+def _plain_state(before: dict[str, Any], theirs_before: dict[str, Any], first: nn.Module,
+                 other: nn.Module) -> None:
+    """Gives ``other`` the plain attributes of immutable values (None, numbers, strings,
+    tuples of them) that replica 0's ``first`` changed outside ``run`` since ``before``
+    was recorded, where ``other``'s are as ``theirs_before`` recorded: a method of the
+    user's module called through the mirrored model there (``model.reset_state()``)
+    ran on replica 0's copy alone. One a copy set itself (in ``run``, or through
+    ``model.replicas``) is its own, and kept; tensors and other objects are not copied."""
+    now, theirs = first.__dict__, other.__dict__
+    for name in (now.keys() | before.keys()) - _TORCH_OWN:
+        value = now.get(name, _GONE)
+        if (_same(before.get(name, _GONE), value) or not _immutable(value)
+                or not _same(theirs_before.get(name, _GONE), theirs.get(name, _GONE))):
+            continue  # (unchanged on replica 0, not plain, or changed on this copy)
+        if value is _GONE:  # (deleted on replica 0's copy)
+            theirs.pop(name, None)
+        else:
+            theirs[name] = value
+
+
+def _versions(module: nn.Module, tensors: dict[str, Any]) -> dict[str, tuple[torch.Tensor, Any]]:
+    return {n: (t, _version(module, n, t)) for n, t in tensors.items() if t is not None}
+
+
+def _version(module: nn.Module, name: str, t: torch.Tensor) -> Any:
+    """``t``'s version, with ``num_batches_tracked``'s for BatchNorm's running statistics
+    (torch's kernel updates them in a forward in train mode without moving theirs)."""
+    running = name in ("running_mean", "running_var")
+    tracked = module._buffers.get("num_batches_tracked") if running else None
+    return t._version if tracked is None else (t._version, tracked._version)
+
+
+def _tensor_state(before: dict[str, tuple[torch.Tensor, Any]],
+                  theirs_before: dict[str, tuple[torch.Tensor, Any]], first: nn.Module,
+                  other: nn.Module, *, buffers: bool) -> None:
+    """Gives ``other`` the buffers (``buffers``) or parameters that replica 0's ``first``
+    changed outside ``run`` (written in place; a buffer also replaced) since ``before``
+    was recorded, where ``other``'s are as ``theirs_before`` recorded: else the next
+    step averaged replica 0's reset buffer with the others' old one, and a parameter
+    clipped on replica 0 alone made the copies differ. A tensor added, or written
+    through ``.data`` (torch's version counter does not move), is left alone; so is a
+    parameter replaced or reshaped (the layout check names it), and a lazy one (its
+    initialization is the layout check's)."""
+    own: dict[str, Any] = first._buffers if buffers else first._parameters
+    theirs: dict[str, Any] = other._buffers if buffers else other._parameters
+    for name, t in own.items():
+        was, mine = before.get(name), theirs.get(name)
+        if t is None or mine is None or is_lazy(t) or is_lazy(mine) or (
+                was is not None and was[0] is t
+                                         and was[1] == _version(first, name, t)):
+            continue
+        kept = theirs_before.get(name)
+        if kept is None or kept[0] is not mine or kept[1] != _version(other, name, mine):
+            continue  # (changed on this copy too: its own)
+        if mine.shape == t.shape and mine.dtype == t.dtype:
+            with torch.no_grad():
+                mine.copy_(t)
+        elif buffers:
+            theirs[name] = t.detach().to(mine.device, copy=True)
+
+
+def _immutable(value: Any) -> bool:
+    if isinstance(value, tuple | frozenset):
+        return all(_immutable(v) for v in value)
+    return value is _GONE or isinstance(value, _IMMUTABLE)
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a is b or (type(a) is type(b) and _immutable(a) and bool(a == b))
+
+

@@ -171,7 +171,8 @@ def _equal(a: Any, b: Any) -> bool:
 
 def _differs(key: str, group: int, r: int, mine: Any, first: Any) -> str:
     return (f"MirroredOptimizer.step: local replica {r} set {key!r} of parameter group "
-            f"{group} to {mine!r} inside strategy.run, and replica 0's is {first!r}: every "
+            f"{group} to {mine!r} since its last step (inside strategy.run, or through "
+            f"optimizer.optimizers[{r}] outside it), and replica 0's is {first!r}: every "
             "replica steps with replica 0's value, so a value set from a replica's own share "
             "of the batch (its loss) would be dropped, where one device computes it from the "
             "whole batch. Every replica must set the same value: compute it from a value "

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import threading
 import weakref
 from collections.abc import Callable
@@ -109,7 +110,19 @@ def _target(scaler: Any, optimizer: Any) -> tuple[ScaledOptimizer, _State] | Non
     record = _record(scaler)
     with record.lock:
         per = record.states.setdefault(ctx.replica_id_in_sync_group, {})
-        return optimizer, per.setdefault(id(optimizer), _State())
+        return optimizer, per.setdefault(_serial(optimizer), _State())
+
+
+_SERIALS = itertools.count(1)
+
+
+def _serial(optimizer: Any) -> int:
+    """A number no other optimizer of this process has, ever (an ``id()`` is reused once
+    its object is freed: a new optimizer's update was taken as a freed one's, done)."""
+    serial: int | None = optimizer.__dict__.get("_mirrored_amp_serial")
+    if serial is None:
+        serial = optimizer.__dict__["_mirrored_amp_serial"] = next(_SERIALS)
+    return serial
 
 
 def _unscale(scaler: Any, optimizer: ScaledOptimizer, state: _State) -> None:

@@ -241,7 +241,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
     def amp_step(self, found_inf: torch.Tensor, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> Any:
         """Steps every copy, or none if ``found_inf`` (in the reduced gradients: alike)."""
-        if found_inf.item():
+        if found_inf.item():  # (skipped alike everywhere: a step for `discards` too)
+            STEPS[0] += 1
             r = replica_index(self._strategy, "GradScaler.step", required=True)
             self._reducer.reduced[r or 0] = False
             return None

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import atexit
 import collections
-import itertools
+import hashlib
 import threading
 import weakref
 from collections.abc import Generator, Sequence
@@ -55,7 +55,17 @@ DEFAULT_CUDA_DEPTH = 2
 EXIT_JOIN_SECONDS = 10.0
 
 _END = object()
-_PASSES = itertools.count(1)  # (each thread's stream differs from the last pass's)
+
+
+def _stream_seed() -> int:
+    """The prefetch thread's stream, from the state of torch's CPU generator on the
+    caller's thread (read, not drawn from: the caller's next draws stay one device's):
+    a pass after other draws (the next epoch's shuffle) gets another stream, and the
+    same program seeded alike gets the same streams, whatever ran before in the
+    process (a count of passes per process made a second identically seeded run in a
+    notebook differ from the first)."""
+    state = torch.default_generator.get_state().numpy().tobytes()
+    return int.from_bytes(hashlib.blake2b(state, digest_size=8).digest(), "little")
 
 
 class _Failure:
@@ -245,7 +255,7 @@ class Prefetcher:
             self._finalizer()
             raise
         streams = RandomStreams([0])
-        streams.seed(torch.initial_seed() * 0x9E3779B97F4A7C15 + next(_PASSES))
+        streams.seed(_stream_seed())
         thread = threading.Thread(target=_produce, args=(self._steps, self._channel, streams),
                                   name=THREAD_NAME, daemon=True)
         with _producers_lock:

@@ -113,12 +113,15 @@ def _replica_generator(stream: tuple[RandomStreams, int], op: torch._ops.OpOverl
 def _recompute_message(op: torch._ops.OpOverload) -> str:
     return (
         f"{op} drew random numbers on the CPU during backward, while a strategy.run of "
-        "several replicas was in progress. This is what torch.utils.checkpoint does when "
-        "it recomputes a segment with dropout (or another CPU draw): it restores torch's "
-        "CPU generator, not the replica's random stream, so the recomputed mask would "
-        "differ from the forward's and the gradients would be wrong. Keep random ops out "
-        "of checkpointed segments (e.g. dropout outside the checkpoint, or p=0 there), or "
-        "pass an explicit generator= to the random call")
+        "several replicas was in progress; every random draw during backward is refused "
+        "there. The draw may be torch.utils.checkpoint recomputing a segment with dropout "
+        "(or another CPU draw): it restores torch's CPU generator, not the replica's "
+        "random stream, so the recomputed mask would differ from the forward's and the "
+        "gradients would be wrong; or a gradient hook that adds noise (which the library "
+        "cannot tell apart from a recomputation). Keep random ops out of checkpointed "
+        "segments (e.g. dropout outside the checkpoint, or p=0 there), draw a hook's noise "
+        "in the forward pass and use it in the hook, or pass an explicit generator= (one "
+        "per replica) to the random call")
 
 
 def install() -> None:
@@ -139,6 +142,9 @@ def install() -> None:
         _installed.append(library)
 
 
+_DEFAULT = torch.default_generator
+
+
 class RandomStreams:
     """The random streams of one strategy's local replicas.
 
@@ -150,6 +156,8 @@ class RandomStreams:
         install()
         self._ids = tuple(replica_ids)
         self._base: int | None = None
+        self._seed = 0  # torch's initial seed when the run started (`generator`)
+        self._reseeded = 0  # runs whose step reseeded torch before its first draw
         self._generators: list[torch.Generator | None] = [None] * len(self._ids)
         self._modes = [ReplicaStream(self, i) for i in range(len(self._ids))]
         # What `call` puts in the thread's stream slot for each replica (the runtime's
@@ -159,6 +167,7 @@ class RandomStreams:
 
     def start_run(self) -> None:
         """A new run: streams are drawn afresh at the first random call."""
+        self._seed = _DEFAULT.initial_seed()
         if self._base is not None:  # (else no stream was drawn since the last reset)
             self._base = None
             self._generators = [None] * len(self._ids)
@@ -189,8 +198,14 @@ class RandomStreams:
         if generator is None:
             with _lock:
                 if self._base is None:
-                    self._base = int(torch.randint(
-                        0, 1 << 62, (1,), generator=torch.default_generator).item())
+                    drawn = int(torch.randint(0, 1 << 62, (1,), generator=_DEFAULT).item())
+                    if _DEFAULT.initial_seed() != self._seed:
+                        # The step reseeded torch before its first random call
+                        # (manual_seed in a fork_rng block, for fixed noise): every run
+                        # would draw the same base and repeat its masks.
+                        self._reseeded += 1
+                        drawn += self._reseeded * 0xD1B54A32D192ED03
+                    self._base = drawn & _MASK
                 base = self._base
             generator = torch.Generator()
             generator.manual_seed((base * 0x9E3779B97F4A7C15 + self._ids[index]) & _MASK)

@@ -290,12 +290,13 @@ def test_a_call_that_meets_a_launched_bucket_is_a_mismatch_and_its_data_unused()
                          strict=True)
     assert results[0].startswith("CollectiveMismatchError"), results[0]
     assert "gradient bucket 1 of" in results[0] and "(asynchronous)" in results[0]
-    # Worker 1 sits in collective #11 as another call: the heartbeats' identities show
+    # Worker 1 sits in collective #13 as another call: the heartbeats' identities show
     # it to both (a mismatch listing both calls), or, had worker 0 left first, worker
-    # 1 names it as gone inside #11 (its first unfinished one): never at the timeout.
+    # 1 names it as gone inside #13 (its first unfinished one): never at the timeout.
+    # (mirror and mirror_optimizer each agree once first: `training.agreement`.)
     assert results[1].startswith((
-        "CollectiveMismatchError: workers made different calls as collective #11",
-        "WorkerFailureError: worker 0 left the job (worker 0 inside collective #11) while "
+        "CollectiveMismatchError: workers made different calls as collective #13",
+        "WorkerFailureError: worker 0 left the job (worker 0 inside collective #13) while "
         "worker 1 was in ")), results[1]
     # The failed job's process group is kept: freeing the strategy does not wait out the
     # bucket worker 1 never joined (the group's timeout, 21 s; freed, it waited 23 s).

@@ -72,6 +72,10 @@ class Cluster:
             workers whose batches differ in size, whose ``compute_average_loss`` would
             divide by different counts, or in content, disagree at their next
             collective).
+        agree: ``agree(what, value) -> every worker's value`` (one int each, in worker
+            order): ``strategy.mirror`` and ``mirror_optimizer`` compare a digest of the
+            module's structure and of the optimizer's settings (`training.agreement`);
+            ``None``: not compared (an elastic job, whose workers join at any step).
     """
 
     resolver: Any
@@ -82,6 +86,7 @@ class Cluster:
     steps: StepControl | None = None
     count_examples: bool = False
     took_examples: Callable[[int, int], None] = lambda total, digest: None
+    agree: Callable[[str, int], list[int]] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

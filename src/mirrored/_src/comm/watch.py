@@ -15,8 +15,8 @@ import torch
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, WorkerFailureError
 from .call_identity import CallLedger, JobLink
 
-__all__ = ["COUNT", "COUNT_HINT", "DESPITE", "EXAMPLES_HINT", "SHARE_SECONDS", "CallWatch",
-           "short"]
+__all__ = ["COUNT", "COUNT_HINT", "DESPITE", "EXAMPLES_HINT", "PLACES_HINT", "SHARE_SECONDS",
+           "CallWatch", "short"]
 
 # How long a worker that found a mismatch waits for its peers' calls (they find it in
 # the same collective, so they answer at once unless descheduled): error path only.
@@ -40,6 +40,19 @@ EXAMPLES_HINT = ("the workers' runs were given batches of experimental_distribut
                  "seed a shuffle alike on every worker). A source that randomizes integer "
                  "tensors on each worker by design (masked token ids) while yielding the "
                  "same examples: InputOptions(experimental_compare_batches=False)")
+
+PLACES_HINT = ("the workers are at different calls: a call made or skipped on some workers "
+               "only (a strategy.reduce or a metric on the chief only, an optimizer.step() "
+               "skipped on one worker) or a run (a step) skipped or added on one; every "
+               "worker must make the same calls in the same order")
+
+
+def _place(call: str) -> tuple[str, str]:
+    """Where a call's text (``entry(what) at site (collective k in run r) [batches taken:
+    ...]``) was made: its entry, site and phase, with neither its shapes nor its batches
+    (workers at one place whose calls differ in shape or batches had other data)."""
+    head, _, where = call.partition(EXAMPLES)[0].rpartition(" at ")
+    return head.partition("(")[0], where
 
 
 # Whether a profiler records on this thread (`runtime.replica_call.profiling` also reads
@@ -195,14 +208,17 @@ class CallWatch:
             calls = self._job.share(f"call-{seq}", mine, SHARE_SECONDS)
             calls = {r: calls.get(r, f"(did not answer within {SHARE_SECONDS:g} s)")
                      for r in range(self._job.world_size)}
-        taken = {c.partition(EXAMPLES)[2] for c in calls.values()
-                 if not c.startswith("(did not answer")}
-        listing = "; ".join(f"worker {r}: {c if len(taken) > 1 else c.partition(EXAMPLES)[0]}"
+        answered = [c for c in calls.values() if not c.startswith("(did not answer")]
+        taken = {c.partition(EXAMPLES)[2] for c in answered}
+        # Batches taken differ also when workers are at different calls (a run or a call
+        # made on some workers only): the sources are suspect only at the same place.
+        sources = len(taken) > 1 and len({_place(c) for c in answered}) == 1
+        listing = "; ".join(f"worker {r}: {c if sources else c.partition(EXAMPLES)[0]}"
                             for r, c in sorted(calls.items()))
         # (the counting worker's own error says why it counted: `ReplicaContext._sum_examples`)
         counted = DESPITE not in mine and any(DESPITE in c for c in calls.values())
-        hint = (f" ({COUNT_HINT})" if counted else
-                f" ({EXAMPLES_HINT})" if len(taken) > 1 else "")
+        hint = (f" ({COUNT_HINT})" if counted else f" ({EXAMPLES_HINT})" if sources else
+                f" ({PLACES_HINT})" if len(taken) > 1 else "")
         self.fail(CollectiveMismatchError(
             f"workers made different calls as collective #{seq} (a different call, site, "
             f"op, shape or dtype, or a worker skipped or added a call); no data of it was "

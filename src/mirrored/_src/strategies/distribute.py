@@ -13,6 +13,7 @@ from .. import context, pytree
 from ..collectives.cross_replica import check_components
 from ..collectives.parts import Parts
 from ..runtime.replica_call import on_device
+from ..training.agreement import agree_on_module
 from ..training.buffers import batch_weight
 from ..training.structure import CHANGES, check_copies
 from ..values import (
@@ -236,8 +237,16 @@ def steps_input(parts: Parts, source: Any, options: Any, kind: str) -> tuple[Any
 
 
 def sync_from_chief(parts: Parts, module: torch.nn.Module) -> None:
-    """Multi-worker: every worker starts from the chief's parameters and buffers (as DDP)."""
+    """Multi-worker: every worker starts from the chief's parameters and buffers (as DDP),
+    once the workers agreed that their modules have the same structure
+    (`agreement.agree_on_module`: the repr, the parameters' and buffers' names, dtypes,
+    shapes and requires_grad; a forward() written by hand cannot be seen).
+
+    Raises:
+        ValueError: on every worker, when some worker's module differs from worker 0's.
+    """
     if parts.cluster is not None:
+        agree_on_module(parts, module)
         parts.cluster.sync([*module.parameters(), *module.buffers()])
 
 

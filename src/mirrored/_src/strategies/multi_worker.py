@@ -172,7 +172,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         # (with unchecked calls a replica counting alone would meet another call unseen)
         cluster = Cluster(resolver=resolver, vote=vote, sync=comm.broadcast_from_chief,
                           leave=job.close, next_phase=ledger.next_phase,
-                          count_examples=check_collectives, took_examples=ledger.took_examples)
+                          count_examples=check_collectives, took_examples=ledger.took_examples,
+                          agree=comm.agree)
         runtime = ThreadRuntime(topology, type(self).__name__,
                                 timeout_seconds=options.timeout_seconds)
         super().__init__(topology=topology, runtime=runtime, communicators=selector,

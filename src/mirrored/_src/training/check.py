@@ -106,10 +106,13 @@ def _bit_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 def compare(table: torch.Tensor, names: Sequence[str], step: int, params: int = -1,
-            since: int = 0, what: str = "2-norms") -> None:
+            since: int = 0, what: str = "2-norms", local: int = 0) -> None:
     """Raises `ReplicaDivergenceError` if the rows of ``table`` (one per global
     replica, ``slots`` values per name) are not bitwise equal; ``names[params:]`` are
-    buffers (all are parameters by default); ``since``: the step of the last check.
+    buffers (all are parameters by default); ``since``: the step of the last check;
+    ``local``: the replicas per worker when the rows are every worker's replicas in
+    order (0: not known), so that a difference on another worker than replica 0's can
+    say that a setting differing between workers also makes the copies differ.
 
     Example:
         >>> compare(torch.tensor([[1.0], [1.0]]), ["weight"], step=1)
@@ -132,6 +135,13 @@ def compare(table: torch.Tensor, names: Sequence[str], step: int, params: int = 
     where = (f"the copies of the mirrored model differ at {when}: "
              f"{names[column]!r} on replica(s) {replicas} differs from replica 0 ({what} "
              + ", ".join(f"replica {g}: {v!r}" for g, v in enumerate(values)) + "). ")
+    if local and any(g // local for g in replicas):
+        where += (f"Replica(s) {[g for g in replicas if g // local]} run on another worker "
+                  "than replica 0: a setting that differs between workers also makes the "
+                  "copies differ (a learning rate set on some workers only, a scheduler "
+                  "stepped on some workers only, e.g. under `if is_chief:`, an optimizer "
+                  "option, or a module changed on one worker after strategy.mirror); make "
+                  "every change on every worker alike. ")
     if 0 <= params <= column:
         raise ReplicaDivergenceError(
             where + "It is a buffer, and mirror_optimizer(buffers='off') leaves buffers to "

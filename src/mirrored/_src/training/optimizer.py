@@ -23,7 +23,7 @@ from torch import nn
 
 from .. import context
 from ..errors import ReplicaDivergenceError
-from . import amp, clipping, direct
+from . import agreement, amp, clipping, direct
 from . import overlap as _overlap
 from .buffers import BUFFER_RULES, BufferRule
 from .check import CHECKS, STEPS, Check, discarded_message
@@ -342,7 +342,7 @@ def mirror_optimizer(strategy: Strategy, mirrored_module: MirroredModule,
             one whose ``step`` requires a closure (LBFGS), or ``overlap`` is not a bool
             or ``None``.
         ValueError: another strategy's module, optimizers over other parameters on
-            some copy, or a ``check`` or ``buffers`` that is not one of its values.
+            some copy, a bad ``check`` or ``buffers``, or workers' optimizers that differ.
         RuntimeError: the copies differ in layout (see `MirroredModule`).
 
     Example:
@@ -371,9 +371,8 @@ def mirror_optimizer(strategy: Strategy, mirrored_module: MirroredModule,
     if overlap is not None and not isinstance(overlap, bool):
         raise TypeError(f"overlap must be True, False or None (automatic); got "
                         f"{type(overlap).__name__} {overlap!r}")
-    topology = strategy._parts.topology
     if overlap is None:  # across workers; elastic: one all-reduce carries the step's vote
-        overlap = topology.num_workers > 1 and not topology.elastic
+        overlap = (topology := strategy._parts.topology).num_workers > 1 and not topology.elastic
     check_module(mirrored_module, full=True)  # (requires_grad set on replica 0's: copied)
     amp.install()
     optimizers, params = [], []
@@ -396,5 +395,6 @@ def mirror_optimizer(strategy: Strategy, mirrored_module: MirroredModule,
         params.append(ordered)
     named = {id(p): name for name, p in mirrored_module.replicas[0].named_parameters()}
     names = [named[id(p)] for p in params[0]]
+    agreement.agree_on_optimizer(strategy._parts, optimizers[0])  # (multi-worker: settings)
     return MirroredOptimizer(mirrored_module, tuple(optimizers), tuple(params), names,
                              check=check, buffers=buffers, overlap=overlap)

@@ -319,7 +319,7 @@ class GradientReducer:
             if live is not None:  # elastic: the rows of the replicas in the step
                 table = table[reduced[n][-self._num_replicas:] > 0]
             compare(table, self._names, self.seq[r], params=n,
-                    since=max(self.seq[r] - self._every, 0),
+                    since=max(self.seq[r] - self._every, 0), local=len(self.seq) * (live is None),
                     what="bit-sum fingerprints" if self._exact else "2-norms")
         self.reduced[r] = True
         # Last (a warning made an error leaves the step whole), once per worker.

@@ -22,6 +22,7 @@ import pathlib
 import re
 import tempfile
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -57,6 +58,62 @@ def _check_objects(objects: Mapping[str, Any]) -> None:
                 and callable(getattr(obj, "load_state_dict", None))):
             raise TypeError(f"objects[{name!r}] ({type(obj).__name__}) has no state_dict() "
                             "and load_state_dict(); pass modules, optimizers, schedulers")
+
+
+_PLAIN = (torch.Tensor, bool, int, float, complex, str, bytes, type(None), torch.dtype,
+          torch.device, torch.Size, torch.layout, torch.memory_format)
+
+
+def _check_loadable(path: str, state: dict[str, Any]) -> None:
+    """Raises unless ``torch.load(path, weights_only=True)`` (`restore`'s) can load the
+    checkpoint just written: the classes and functions its pickle names are checked
+    (its tensor data is not read back); one that the check names, or a pickle it cannot
+    read, is tried with a weights-only load of the file memory-mapped.
+
+    Raises:
+        ValueError: it cannot be loaded weights-only, naming what it holds that a
+            weights-only load refuses, and where (an object's state dict).
+    """
+    try:
+        unsafe: list[str] | None = sorted(
+            torch.serialization.get_unsafe_globals_in_checkpoint(path))
+    except Exception:  # (an opcode the static reader does not know: the load decides)
+        unsafe = None
+    if unsafe == []:
+        return
+    try:
+        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return  # (named, yet allowed by the weights-only unpickler)
+    except Exception as error:
+        failure = error
+    found = [where for name, value in state["objects"].items()
+             for where in _refused(value, f"objects[{name!r}]", unsafe)][:3]
+    lines = str(failure).splitlines()
+    named = (", ".join(unsafe) if unsafe else
+             next((ln.strip() for ln in lines if "WeightsUnpickler error" in ln),
+                  lines[-1].strip() if lines else type(failure).__name__)[:300])
+    raise ValueError(
+        "CheckpointManager.save: CheckpointManager.restore loads with "
+        f"torch.load(weights_only=True), which refuses what this checkpoint holds: {named} "
+        f"(found at {', '.join(found) or 'a state dict'}); nothing was written. Keep "
+        "tensors and plain Python values in the state dicts: convert NumPy arrays and RNG "
+        "states to tensors or lists and ints (torch.tensor(a), a.tolist(), int(x)), and an "
+        "object of your own to a dict of such values, or register its class with "
+        "torch.serialization.add_safe_globals([...]) on every worker") from failure
+
+
+def _refused(value: Any, where: str, unsafe: list[str] | None) -> list[str]:
+    """Where in ``value`` a weights-only load may refuse a value (first few): one of a
+    class ``unsafe`` names, or (when it is ``None``) one not tensors and plain values."""
+    if type(value) in (dict, OrderedDict, list, tuple, set, frozenset):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        return [w for k, v in items for w in _refused(v, f"{where}[{k!r}]", unsafe)][:3]
+    kind = type(value)
+    name = f"{kind.__module__}.{kind.__qualname__}"
+    plain = isinstance(value, _PLAIN)
+    if (unsafe is None and not plain) or (unsafe and name in unsafe):
+        return [f"{where} ({name})"]
+    return []
 
 
 class CheckpointManager:
@@ -119,6 +176,9 @@ class CheckpointManager:
 
         Raises:
             TypeError: an object without ``state_dict``/``load_state_dict``, a bad step.
+            ValueError: (on the chief) a state that `restore`, which loads with
+                ``torch.load(weights_only=True)``, could not load back (a NumPy array, an
+                object of your own); nothing is written.
             CollectiveMismatchError: the workers passed different steps, or one made a
                 collective the others did not (on every worker; nothing is written).
             RuntimeError: the chief failed to write (on the other workers; the chief
@@ -171,6 +231,7 @@ class CheckpointManager:
                 torch.save(state, f)
                 f.flush()
                 os.fsync(f.fileno())
+            _check_loadable(tmp, state)  # (before it counts: restore must load it)
             os.replace(tmp, target)
         except BaseException:
             pathlib.Path(tmp).unlink(missing_ok=True)

@@ -222,10 +222,15 @@ class CopiesModule(nn.Module):
         """
         self._cross_replica("MirroredModule.load_state_dict")
         _replaced()  # (assign=True replaces the parameters)
-        results = [c.load_state_dict(
-            _on_device(state_dict, device, copy=k > 0) if assign else state_dict, strict,
-            assign) for k, (c, device) in enumerate(zip(self._targets(), self._devices,
-                                                        strict=True))]
+        own = self.__dict__
+        own["_mirrored_loading"] = True  # (every copy written: `structure._Loading` leaves it)
+        try:
+            results = [c.load_state_dict(
+                _on_device(state_dict, device, copy=k > 0) if assign else state_dict, strict,
+                assign) for k, (c, device) in enumerate(zip(self._targets(), self._devices,
+                                                            strict=True))]
+        finally:
+            own["_mirrored_loading"] = False
         return results[0]
 
     def train(self, mode: bool = True) -> CopiesModule:

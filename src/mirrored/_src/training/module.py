@@ -30,7 +30,7 @@ from .carry import hook_outputs
 from .copies import CopiesModule
 from .copying import copy_to, warn_gradient_hooks
 from .plain_optimizer import register_copies
-from .structure import CHANGES, expose, watch
+from .structure import CHANGES, expose, settle, watch
 
 if TYPE_CHECKING:
     from mirrored import ReplicaContext, Strategy
@@ -166,9 +166,9 @@ class MirroredModule(CopiesModule):
 
     def _targets(self) -> tuple[nn.Module, ...]:
         index = self._index()
-        if index is None:  # (every copy changes: a pending record would call it theirs)
+        if index is None:  # (every copy changes: pending changes of replica 0 carried first)
             CHANGES[0] += 1
-            self.__dict__.pop("_plain_seen", None)
+            settle(self)
             return self._copies
         return (self._copies[index],)
 

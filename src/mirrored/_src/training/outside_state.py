@@ -5,8 +5,9 @@ carried to the other copies at the next ``run`` (`structure.check_module`).
 Outside ``run`` the mirrored model reads as replica 0's copy. When it is handed out
 (`structure.expose`), every copy's modules are recorded (`record`): their plain
 attributes, and their buffers' and parameters' tensors and version counters. At the
-next ``run`` (`carry_state`), what changed on replica 0's copy since, and not on the
-other copy, is given to the other copy: plain attributes of immutable values, buffers
+next ``run`` (`carry_state`; or before a change made to every copy, `settle`), what
+changed on replica 0's copy since, and not on the other copy, is given to the other
+copy: plain attributes of immutable values, buffers
 written in place or replaced (``model.reset_state()``, ``reset_running_stats()``, a
 forward in train mode updating an EMA or BatchNorm's statistics), and parameters
 written in place (``with torch.no_grad(): for p in model.parameters(): p.clamp_(-c, c)``,
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-__all__ = ["carry_state", "record"]
+__all__ = ["carry_state", "record", "settle"]
 
 Record = tuple[dict[str, Any], dict[str, tuple[torch.Tensor, Any]],
                dict[str, tuple[torch.Tensor, Any]]]
@@ -44,6 +45,23 @@ def carry_state(before: Record, theirs_before: Record, first: nn.Module,
     _plain_state(before[0], theirs_before[0], first, other)
     _tensor_state(before[1], theirs_before[1], first, other, buffers=True)
     _tensor_state(before[2], theirs_before[2], first, other, buffers=False)
+
+
+def settle(module: Any) -> None:
+    """Before a change made to every copy of mirrored ``module`` outside ``run``
+    (``model.eval()``, ``model.x = v``, ``model.load_state_dict``): what replica 0's
+    copy changed since the pending `expose` record (a load into the module given to
+    `mirror`, a method's reset) is carried to the others now, and the record dropped
+    (the change to come is every copy's own)."""
+    own = module.__dict__
+    seen = own.pop("_plain_seen", None)
+    mods = own.get("_modules")
+    if seen is None or mods is None or any(len(s) != len(m) for s, m in zip(seen, mods,
+                                                                              strict=True)):
+        return  # (a layout changed since: the next run's check raises or takes it)
+    for k, copy_modules in enumerate(mods[1:], start=1):
+        for i, (m0, m) in enumerate(zip(mods[0], copy_modules, strict=True)):
+            carry_state(seen[0][i], seen[k][i], m0, m)
 
 
 _TORCH_OWN = frozenset(nn.Module().__dict__)  # (what torch keeps in a module's __dict__)

@@ -28,10 +28,20 @@ see the module given to `mirror` changed through an old reference) bumps `LAYOUT
 too. ``run`` compares `CHANGES` with the count it last checked at (one integer
 comparison per run). A check after `CHANGES` alone walks the parameter lists kept
 from the last full check; after `LAYOUT`, it walks every copy's modules once.
+
+A ``load_state_dict`` into any module of replica 0's copy outside ``run`` (a
+checkpoint restored through the module given to `mirror`: ``net.load_state_dict(
+torch.load(f))``) counts as a change through the mirrored model: a pre-hook on each
+of that copy's modules (`_Loading`) has `expose` record every copy before the load
+writes, and the next ``run`` carries what it wrote to the other copies
+(`outside_state`). With ``assign=True`` it would replace that copy's tensors alone:
+refused before anything is written.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import threading
 import weakref
 from collections.abc import Sequence
@@ -42,17 +52,19 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from .. import context
-from .outside_state import carry_state, record
+from .outside_state import carry_state, record, settle
 from .plain_optimizer import register_copies
 
 __all__ = ["CHANGES", "LAYOUT", "check_copies", "check_module", "expose", "frozen_message",
-           "watch"]
+           "settle", "watch"]
 
 CHANGES = [0]  # bumped when code outside run may have changed one copy
 LAYOUT = [0]  # bumped when a parameter or module was registered on a copy's module
 _lock = threading.Lock()
 _mirrored: Any = weakref.WeakSet()  # mirrored modules with two copies or more
 _watched: dict[int, weakref.ref[nn.Module]] = {}  # id -> every submodule of their copies
+# id -> (a module of replica 0's copy, its mirrored module): `_Loading`'s lookup
+_first_copy: dict[int, tuple[weakref.ref[nn.Module], weakref.ref[Any]]] = {}
 _HOOKED = [False]
 
 
@@ -93,6 +105,70 @@ def _remember(module: Any, named: list[list[tuple[str, nn.Parameter]]]) -> None:
             key = id(m)
             if key not in _watched:
                 _watched[key] = weakref.ref(m, _forget(key))
+    for key in [k for k, (_, owner) in _first_copy.items() if owner() is module]:
+        del _first_copy[key]  # (modules no longer in replica 0's copy: not its own now)
+    shell = weakref.ref(module)
+    for m in mods[0]:
+        _first_copy[id(m)] = (weakref.ref(m, _forget_first(id(m))), shell)
+        if not any(isinstance(hook := getattr(h, "hook", None), _Loading) and hook.of() is m
+                   for h in m._load_state_dict_pre_hooks.values()):
+            m._register_load_state_dict_pre_hook(_Loading(m))
+
+
+class _Loading:
+    """torch's ``load_state_dict`` pre-hook on every module of replica 0's copy (run
+    before the load writes; first by the module loaded into): outside ``run``,
+    `expose` records every copy, so the next run carries what the load writes in
+    place to the others. A load through the mirrored model (which writes every copy),
+    a replica's own inside ``run``, and a module that is no longer replica 0's are
+    left alone; so is a copy of one (``deepcopy``, ``pickle``: the hook pickles as
+    ``functools.partial(itertools.chain)``, which does nothing, and holds its module
+    weakly).
+
+    Raises:
+        RuntimeError: ``assign=True`` outside ``run`` (it would replace that copy's
+            tensors alone); nothing was loaded.
+    """
+
+    def __init__(self, module: nn.Module | None = None) -> None:
+        self._module = None if module is None else weakref.ref(module)
+
+    def of(self) -> nn.Module | None:
+        """The module it watches (``None`` for a copy's)."""
+        return None if self._module is None else self._module()
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # A hook that does nothing and needs nothing of this library to unpickle (a
+        # model saved whole, torch.save(net), loads where mirrored is not installed).
+        return functools.partial, (itertools.chain,)
+
+    def __call__(self, state_dict: Any, prefix: str, local_metadata: dict[str, Any],
+                 *_: Any) -> None:
+        module = self.of()
+        entry = None if module is None else _first_copy.get(id(module))
+        mirrored = entry[1]() if entry is not None and entry[0]() is module else None
+        if mirrored is None or mirrored.__dict__.get("_mirrored_loading"):
+            return
+        ctx = context.current_replica_context()
+        if ctx is not None and ctx.strategy is mirrored._strategy:
+            return  # (a replica loads into its own copy)
+        if local_metadata.get("assign_to_params_buffers", False):
+            name = prefix.rstrip(".") or type(module).__name__
+            raise RuntimeError(
+                f"load_state_dict(assign=True) into {name!r}, a module of replica 0's copy of "
+                "a mirrored model, outside strategy.run: it would replace the parameters and "
+                "buffers of that copy alone (the module given to mirror() and the mirrored "
+                "model's submodules are replica 0's copy), and the copies would differ; "
+                "nothing was loaded. Load without assign=True (written in place, carried to "
+                "every copy at the next run), or through the mirrored model: "
+                "model.load_state_dict(state, assign=True) gives every copy its own tensors")
+        expose(mirrored, True)
+
+
+def _forget_first(key: int) -> Any:
+    def forget(_: Any) -> None:
+        _first_copy.pop(key, None)
+    return forget
 
 
 def _owner(copy: nn.Module, name: str) -> tuple[nn.Module, str]:

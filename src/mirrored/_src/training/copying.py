@@ -14,7 +14,7 @@ from torch.nn.utils import parametrize
 from ..collectives.call import user_stacklevel
 from ..errors import GradientHookWarning
 
-__all__ = ["copy_to", "warn_gradient_hooks"]
+__all__ = ["copy_to", "refuse_per_replica_layers", "warn_gradient_hooks"]
 
 
 def copy_to(module: nn.Module, device: torch.device) -> nn.Module:
@@ -59,3 +59,41 @@ def _own_parametrized_class(module: nn.Module) -> None:
     parametrize._inject_new_class(module)  # (torch's own, as register_parametrization)
     for name in list(module.parametrizations):  # type: ignore[arg-type]
         parametrize._inject_property(module, name)
+
+
+def refuse_per_replica_layers(module: nn.Module, sync_batch_norm: bool, replicas: int) -> None:
+    """Refuses, before any copy is made, layers that would train per replica (or could
+    not be copied) on ``replicas`` replicas in all.
+
+    Raises:
+        ValueError: an embedding with ``max_norm`` (it renormalizes the rows its own
+            batch looks up), a ``torch.nn.SyncBatchNorm`` without
+            ``sync_batch_norm=True`` (outside a process group it normalizes each
+            replica's batch alone), or a lazy layer with uninitialized buffers
+            (``LazyBatchNorm``: no copy can be made before its first forward).
+    """
+    if replicas < 2:
+        return
+    for name, m in module.named_modules():
+        name = name or "the module"
+        if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.max_norm is not None:
+            raise ValueError(
+                f"mirror(strategy, module): {name} is an embedding with max_norm, which "
+                "renormalizes in place, during forward, the rows its batch looks up: each "
+                "replica would renormalize the rows of its own part of the batch, where one "
+                "device renormalizes those of the whole batch, and the copies would drift "
+                "apart. Leave max_norm=None (and constrain the weights after "
+                "optimizer.step() if you need to)")
+        if isinstance(m, nn.SyncBatchNorm) and not sync_batch_norm:
+            raise ValueError(
+                f"mirror(strategy, module): {name} is a torch.nn.SyncBatchNorm (DDP's, from "
+                "convert_sync_batchnorm), which outside a process group normalizes each "
+                "replica's batch alone, where one device (and DDP) normalizes the global "
+                "batch. Pass sync_batch_norm=True to mirror, which gives every BatchNorm "
+                "the global batch's statistics, or convert the layer back to BatchNorm")
+        if any(isinstance(b, nn.parameter.UninitializedBuffer) for b in m.buffers(False)):
+            raise ValueError(
+                f"mirror(strategy, module): {name} ({type(m).__name__}) is a lazy layer "
+                "whose buffers are not initialized yet, which no copy can be made of; run "
+                "one forward pass on the module (a batch of the real shape) before mirror, "
+                "or give the layer its size (BatchNorm1d(num_features))")

@@ -28,7 +28,7 @@ from ..lazy_torch import skip_in_dynamo
 from .batch_norm import convert_batch_norm
 from .carry import hook_outputs
 from .copies import CopiesModule
-from .copying import copy_to, warn_gradient_hooks
+from .copying import copy_to, refuse_per_replica_layers, warn_gradient_hooks
 from .plain_optimizer import register_copies
 from .structure import CHANGES, expose, settle, watch
 
@@ -375,16 +375,7 @@ def mirror(strategy: Strategy, module: nn.Module, *,
         raise TypeError(f"mirror(strategy, module): {inplace[0]} was compiled in place with "
                         ".compile(), which a copy cannot carry over; mirror the plain module and "
                         "call model.compile() on the mirrored model (or mirror torch.compile(m))")
-    renorm = [name or "the module" for name, m in module.named_modules()
-              if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.max_norm is not None]
-    if renorm and strategy.num_replicas_in_sync > 1:
-        raise ValueError(
-            f"mirror(strategy, module): {renorm[0]} is an embedding with max_norm, which "
-            "renormalizes in place, during forward, the rows its batch looks up: each "
-            "replica would renormalize the rows of its own part of the batch, where one "
-            "device renormalizes those of the whole batch, and the copies would drift "
-            "apart. Leave max_norm=None (and constrain the weights after optimizer.step() "
-            "if you need to)")
+    refuse_per_replica_layers(module, sync_batch_norm, strategy.num_replicas_in_sync)
     devices = [parse_device(name).torch_device for name in strategy.extended.worker_devices]
     if sync_batch_norm:
         module = convert_batch_norm(module)

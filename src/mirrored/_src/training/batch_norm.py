@@ -2,11 +2,16 @@
 global batch, across the replicas of a ``strategy.run`` (torch's ``SyncBatchNorm``
 works only across processes).
 
-Each replica sums its ``x``, ``x * x`` and element count per channel; one
-all-reduce (SUM) of the three, packed into one tensor, gives the global mean and
-biased variance. The all-reduce is differentiable (its backward is the SUM
-all-reduce of the upstream gradients), so the backward pass is exact, also for
-uneven and empty per-replica batches; it costs one more collective per layer.
+Each replica shifts its ``x`` by its own per-channel mean ``s`` (detached; 0 for
+no rows) and sums ``d = x - s`` and ``d * d + 2 s d`` per channel; one all-reduce
+(SUM), in float64, of those sums with ``n * s``, ``n * s * s`` and the count ``n``,
+packed into one tensor, gives the global mean and biased variance (see `_moments`).
+Any constant shift leaves the formulas exact; the replica's mean keeps them well
+conditioned, where ``E[x^2] - mean^2`` of raw sums cancels catastrophically when a
+channel's mean is large next to its standard deviation (a year, a timestamp). The
+all-reduce is differentiable (its backward is the SUM all-reduce of the upstream
+gradients), so the backward pass is exact, also for uneven and empty per-replica
+batches; it costs one more collective per layer.
 """
 
 from __future__ import annotations
@@ -63,26 +68,34 @@ class MirroredBatchNorm(_BatchNorm):
         accumulate = (torch.float32 if input.dtype in (torch.float16, torch.bfloat16)
                       else input.dtype)
         x = input.to(accumulate)
-        count = torch.full((1,), input.numel() // max(channels, 1), dtype=accumulate,
-                           device=input.device)
-        packed = torch.cat([x.sum(dims), (x * x).sum(dims), count])
+        rows = input.numel() // max(channels, 1)
+        # This replica's mean (0 for no rows), detached: the shift s of the sums.
+        shift = x.detach().sum(dims, keepdim=True).div_(max(rows, 1))
+        d = x - shift
+        s = shift.view(channels).to(torch.float64)
+        a = d.sum(dims).to(torch.float64)
+        ns = s * rows
+        packed = torch.cat([a, (d * d).sum(dims).to(torch.float64).addcmul_(s, a, value=2),
+                            ns, ns * s, s.new_full((1,), rows)])
         total = ctx.all_reduce("SUM", packed)
-        n = float(total[2 * channels].item())
+        n = float(total[4 * channels].item())
         if n <= 1:
             raise ValueError("MirroredBatchNorm expects more than 1 value per channel across "
                              f"all replicas when training; got {int(n)} (input shape "
                              f"{tuple(input.shape)} on replica {ctx.replica_id_in_sync_group})")
-        mean = total[:channels] / n
-        var = (total[channels:2 * channels] / n - mean * mean).clamp(min=0)
+        mean, var = _moments(total[:4 * channels].view(4, channels), n)
         if self.training and self.track_running_stats:
             self._update_running_stats(mean.detach(), var.detach(), n)
-        shape = [1, channels] + [1] * (input.dim() - 2)
+        # y = (x - mean) * scale + bias, as d * scale + (bias - (mean - s) * scale): no
+        # large values meet in the input's dtype when the mean is large.
         scale = (var + self.eps).rsqrt()
         if self.weight is not None:
-            scale = scale * self.weight.to(accumulate)
-        y: torch.Tensor = (x - mean.view(shape)) * scale.view(shape)
+            scale = scale * self.weight.to(torch.float64)
+        offset = (s - mean) * scale
         if self.bias is not None:
-            y = y + self.bias.to(accumulate).view(shape)
+            offset = offset + self.bias.to(torch.float64)
+        y = torch.addcmul(offset.to(accumulate).view_as(shift), d,
+                          scale.to(accumulate).view_as(shift))
         return y.to(input.dtype)
 
     @torch.no_grad()
@@ -100,6 +113,25 @@ class MirroredBatchNorm(_BatchNorm):
             _blend(self.running_mean, mean, factor)
         if self.running_var is not None:
             _blend(self.running_var, var * (n / (n - 1)), factor)  # (unbiased)
+
+
+def _moments(total: torch.Tensor, n: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global mean and biased variance per channel, in float64, from the all-reduced
+    rows ``sum(d)``, ``sum(d * d) + 2 s sum(d)``, ``n_i s`` and ``n_i s^2`` (``[4, C]``,
+    each summed over the replicas; ``d = x - s``, ``s`` replica ``i``'s shift, ``n_i``
+    its count; ``n`` the global count).
+
+    With ``u = sum(n_i s) / n``, ``m = sum(d) / n`` and ``w = sum(n_i s^2) / n - u^2``
+    (the spread of the shifts), the mean is ``u + m`` and the variance
+    ``(sum(d * d) + 2 sum(s sum(d))) / n - m (2 u + m) + w``: only float64 per-channel
+    terms cancel there (``w``, to about ``eps * (mean / std)^2``). Differentiable in the
+    sums of ``d`` (the shifts are constants), so the backward pass is exact.
+    """
+    u, q = total[2:].detach().div(n).unbind(0)
+    a, b = total[:2].div(n).unbind(0)
+    mean = a + u
+    var = torch.addcmul(b + torch.addcmul(q, u, u, value=-1), a, mean + u, value=-1)
+    return mean, var.clamp(min=0)
 
 
 _RECOMPUTED = (

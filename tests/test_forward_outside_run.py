@@ -6,6 +6,7 @@ for any other method of the model called there; each against one device."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -124,3 +125,21 @@ def test_a_forward_outside_run_as_the_last_call_before_saving_reads_replica_zero
         for (name, a), b in zip(copy.state_dict().items(), plain.state_dict().values(),
                                 strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_forward_outside_run_under_no_grad_or_inference_mode_reaches_every_copy(
+        mode: Any, dtype: torch.dtype) -> None:
+    """The evaluation idioms, in half precision too: BatchNorm's statistics a train-mode
+    forward outside run updates reach every copy at the next run."""
+    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
+    torch.manual_seed(0)
+    model = strategy.mirror(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).to(dtype))
+    with mode():
+        model(torch.randn(8, 3).to(dtype))
+    strategy.run(lambda: None)
+    first, second = (copy[1] for copy in model.replicas)
+    assert first.running_mean.abs().sum() > 0  # (the forward updated replica 0's)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        assert torch.equal(getattr(first, name), getattr(second, name)), name

@@ -85,7 +85,7 @@ class HeldBatches:
         for (number, tensors), versions in zip(held, before, strict=True):
             for t, version in zip(tensors, versions, strict=True):
                 if t._version != version and _overlaps(t, element):
-                    raise ValueError(_message(number, step, self._elements))
+                    raise ValueError(_message(number, step, self._elements, t))
         return element
 
 
@@ -111,13 +111,14 @@ def _overlaps(t: torch.Tensor, element: Any) -> bool:
     return False
 
 
-def _message(number: int, step: int, elements: bool) -> str:
+def _message(number: int, step: int, elements: bool, tensor: torch.Tensor) -> str:
     reading = (f"another element of step {step}" if elements and step == number else
                f"the {'elements' if elements else 'batch'} of step {step}")
+    what = f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"
     return (
         f"the dataset's source wrote into the {'element' if elements else 'batch'} of "
-        f"step {number} while reading {reading} (a tensor of step {number} was changed "
-        "in place and the new one shares its memory: a source that refills one tensor "
+        f"step {number} while reading {reading} (its tensor {what} on {tensor.device} was "
+        "changed in place and the new one shares its memory: a source that refills one tensor "
         "and yields it again, as `buf.copy_(x); yield buf`, or reuses a ring buffer's "
         f"slot), and step {number} was not trained on yet: this dataset reads ahead of "
         "the loop (the workers' vote on a source without len(), a prefetch thread, or "

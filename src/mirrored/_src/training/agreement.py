@@ -5,20 +5,20 @@ parameters' values need no check (``mirror`` copies the chief's), but workers wh
 layers differ where no parameter shows it (Tanh on one, ReLU on another; Dropout's p,
 BatchNorm's momentum) or whose optimizers' settings differ (a learning rate, nesterov)
 would train bitwise-equal copies of what no one device trains, or copies that drift
-apart. A digest is a deterministic hash of text (blake2b: Python's ``hash()`` of a str
-differs per process). A ``forward()`` written by hand that differs between workers
+apart. A digest is a deterministic hash of text (`identity_hash`: Python's ``hash()`` of a
+str differs per process). A ``forward()`` written by hand that differs between workers
 cannot be seen.
 """
 
 from __future__ import annotations
 
-import hashlib
 import re
 from typing import Any
 
 import torch
 
 from ..collectives.parts import Parts
+from ..comm.call_identity import identity_hash
 
 __all__ = ["agree_on_module", "agree_on_optimizer", "digest", "module_description",
            "optimizer_description"]
@@ -33,7 +33,8 @@ _SHOWN = 1500  # characters of this worker's description in a message
 
 
 def digest(text: str) -> int:
-    """A deterministic 31-bit hash of ``text`` (the same in every process).
+    """A deterministic 31-bit hash of ``text`` (the same in every process: the low bits
+    of `identity_hash`, the call identities' hash).
 
     Example:
         >>> digest("Linear(in_features=2, out_features=1, bias=True)") == digest(
@@ -42,8 +43,7 @@ def digest(text: str) -> int:
         >>> 0 <= digest("x") < 2 ** 31
         True
     """
-    raw = hashlib.blake2b(text.encode(), digest_size=8).digest()
-    return int.from_bytes(raw, "big") & _MASK
+    return identity_hash(text) & _MASK
 
 
 def module_description(module: torch.nn.Module) -> tuple[str, str]:

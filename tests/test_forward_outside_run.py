@@ -5,7 +5,7 @@ for any other method of the model called there; each against one device."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -16,13 +16,6 @@ from torch import nn
 import mirrored
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def two() -> Iterator[mirrored.MirroredStrategy]:
-    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
-    yield strategy
-    strategy.close()
 
 
 def make_net() -> nn.Module:

@@ -5,8 +5,6 @@ silently. Values alike on every replica (a schedule, a reduced loss), set outsid
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from torch import nn
@@ -14,13 +12,6 @@ from torch import nn
 import mirrored
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def two() -> Iterator[mirrored.MirroredStrategy]:
-    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
-    yield strategy
-    strategy.close()
 
 
 def net() -> nn.Module:

@@ -11,7 +11,6 @@ import copy
 import gc
 import pickle
 import weakref
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -26,13 +25,6 @@ SHARED = (r"stepped by replica \d and replica \d in one strategy\.run.*"
           r"2 steps per global step.*outside strategy\.run.*mirror_optimizer")
 ZEROED = (r"zeroed by replica \d and replica \d in one strategy\.run: one replica's "
           r"zero_grad\(\) wipes.*outside strategy\.run.*mirror_optimizer")
-
-
-@pytest.fixture
-def two() -> Iterator[mirrored.MirroredStrategy]:
-    strategy = mirrored.MirroredStrategy(["CPU:0", "CPU:1"])
-    yield strategy
-    strategy.close()
 
 
 def make_net() -> nn.Module:

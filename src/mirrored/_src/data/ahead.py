@@ -22,11 +22,15 @@ class ReadAhead:
     error held behind them. A pass over a one-shot source (an iterator: a new pass
     continues it) leaves them to the next pass (its dataset keeps this object), as a
     loop over the source itself would go on where it stopped; a re-iterable source
-    starts again, and its pass's are dropped with it."""
+    starts again, and its pass's are dropped with it (``keeps=False``: its dataset keeps
+    this object only for `settle`, since a new pass of a source whose passes share state,
+    a ``DataLoader`` with persistent workers or a file rewound by ``__iter__``, must not
+    start while a closed pass's thread still reads it)."""
 
-    __slots__ = ("error", "owner", "producer", "steps")
+    __slots__ = ("error", "keeps", "owner", "producer", "steps")
 
-    def __init__(self) -> None:
+    def __init__(self, keeps: bool = True) -> None:
+        self.keeps = keeps
         self.steps: deque[Any] = deque()
         self.error: Exception | None = None
         self.owner: Any = None  # a weakref to the pass that holds it
@@ -36,7 +40,8 @@ class ReadAhead:
 
     def settle(self) -> None:
         """Waits for a closed pass's prefetch thread still reading (a new pass starts
-        after what it reads, as one loop over the source would)."""
+        after what it reads, as one loop over the source would; a re-iterable source's
+        new pass, after that read moved any state the passes share)."""
         producer, self.producer = self.producer, None
         if producer is not None and producer is not threading.current_thread():
             producer.join()

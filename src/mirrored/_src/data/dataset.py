@@ -203,7 +203,7 @@ class DistributedDataset:
         self._any_worker = any_worker
         self._count = (count_examples and isinstance(any_worker, WorkerVote)
                        and any_worker.tells_each)
-        self._ahead = ReadAhead() if continues(source) else None  # (see `ReadAhead`)
+        self._ahead = ReadAhead(keeps=continues(source))  # (see `ReadAhead`)
 
     def __iter__(self) -> DistributedIterator:
         held = HeldBatches()
@@ -281,9 +281,10 @@ class DistributedDatasetsFromFunction:
         self._elements = elements
         self._topology = topology
         self._any_worker = any_worker
-        self._ahead = ReadAhead() if all(map(continues, elements)) else None
+        self._ahead = ReadAhead(keeps=all(map(continues, elements)))
 
     def __iter__(self) -> DistributedIterator:
+        self._ahead.settle()  # (before iter() of the sources: see `ReadAhead`)
         pipelines = _Pipelines(self._elements, self._topology,
                                self._options.experimental_place_dataset_on_device)
         held = HeldBatches(elements=True)

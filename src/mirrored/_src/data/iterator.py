@@ -87,15 +87,16 @@ class DistributedIterator:
         depth = options.prefetch_depth
         if depth is None:
             depth = default_depth(devices, options.experimental_fetch_to_device)
-        # A one-shot source's dataset passes its own `ReadAhead`: the steps a pass read
-        # ahead (the vote's, the prefetch thread's) and did not hand out go to the next.
-        if ahead is not None and not ahead.claim(self):
-            ahead = None  # (another pass of this dataset is live: this one reads alone)
-        self._held = ahead if ahead is not None else ReadAhead()
-        self._ahead, self._keeps = self._held.steps, ahead is not None
-        self._held.settle()  # (the last pass's thread, if still reading: first)
-        self._steps = (Prefetcher(steps, depth, self._held if self._keeps else None)
-                       if depth else InlineSteps(steps))
+        # A dataset passes its own `ReadAhead`. A one-shot source's (``keeps``): the steps
+        # a pass read ahead (the vote's, the prefetch thread's) and did not hand out go
+        # to the next. A re-iterable source's: the next pass only waits for a closed
+        # pass's thread still inside a read.
+        self._keeps = ahead is not None and ahead.keeps and ahead.claim(self)
+        self._held = ahead if ahead is not None and self._keeps else ReadAhead()
+        self._ahead = self._held.steps
+        if ahead is not None:
+            ahead.settle()  # (the last pass's thread, if still reading: first)
+        self._steps = (Prefetcher(steps, depth, ahead) if depth else InlineSteps(steps))
         # The next step: the generator's own __next__ when inline (no frame in between).
         self._next_step = self._steps.next_step if depth else steps.__next__
         self._any_worker = any_worker

@@ -200,8 +200,9 @@ class Prefetcher:
         depth: how many prepared steps may wait in the channel (>= 1).
         ahead: where a prefetcher closed or dropped before the end leaves the steps
             it read and did not hand out, in order (a one-shot source's next pass takes
-            them first: `ReadAhead`); a read in progress when it closes ends there too,
-            and the next pass waits for it (`ReadAhead.settle`).
+            them first: `ReadAhead`; a re-iterable source's, ``keeps=False``, drops
+            them); a read in progress when it closes ends there too, and the next pass
+            waits for it (`ReadAhead.settle`).
 
     Example:
         >>> p = Prefetcher((i * i for i in range(3)), depth=2)
@@ -217,7 +218,8 @@ class Prefetcher:
                  ahead: ReadAhead | None = None) -> None:
         self._steps = steps
         self._ahead = ahead
-        self._channel = _Channel(depth, None if ahead is None else ahead.steps)
+        self._channel = _Channel(depth, None if ahead is None or not ahead.keeps
+                                 else ahead.steps)
         self._done = False
         self._thread: threading.Thread | None = None  # (started after the first step)
         self._finalizer: Any = weakref.finalize(self, steps.close)

@@ -71,7 +71,8 @@ def flatten_batch(batch: Any, what: str = "a batch") -> tuple[list[torch.Tensor]
         ``(leaves, spec, batch_size)``.
 
     Raises:
-        TypeError: a leaf that is not a tensor, number or array.
+        TypeError: a leaf that is not a tensor, number or array, or a tensor that is not
+            strided (sparse, nested): its rows cannot be sliced.
         ValueError: no leaves, a leaf without a batch dim, or leaves that disagree on it;
             the message names the pytree path and the shapes.
 
@@ -82,6 +83,15 @@ def flatten_batch(batch: Any, what: str = "a batch") -> tuple[list[torch.Tensor]
         ([(4, 3), (4,)], 4)
     """
     paths, tensors, spec = _tensors(batch, what)
+    for path, tensor in zip(paths, tensors, strict=True):
+        if tensor.layout is not torch.strided:  # (slicing rows fails deep in torch)
+            raise TypeError(
+                f"{what} has a {tensor.layout} tensor at {pytree.format_path(path, 'batch')} "
+                f"(shape {list(tensor.shape)}); only strided (dense) tensors can be split "
+                "by rows across replicas. Make it dense in the pipeline (.to_dense(); a "
+                "nested tensor: torch.nested.to_padded_tensor), or "
+                "give per-replica elements through distribute_datasets_from_function, "
+                "which hands them over whole")
     first = tensors[0]
     batch_size = first.shape[0] if first.dim() else -1
     for path, tensor in zip(paths, tensors, strict=True):
@@ -203,7 +213,7 @@ def tuple_batch_size(batch: Any) -> int | None:
     if type(batch) is not tuple or not batch:
         return None
     for leaf in batch:
-        if type(leaf) is not torch.Tensor:
+        if type(leaf) is not torch.Tensor or leaf.layout is not torch.strided:
             return None
     first = batch[0]
     size: int = first.shape[0] if first.dim() else -1

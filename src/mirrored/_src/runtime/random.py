@@ -3,9 +3,11 @@
 Replicas share torch's one CPU generator, so concurrent replicas would draw from it
 in thread order and a seeded step would not repeat. Instead, inside ``run`` each
 replica (of a strategy with several) draws on the CPU from a generator of its own:
-the first random draw of a run takes one 64-bit base seed from the caller's generator (so
-``torch.manual_seed(s)`` before ``run`` fixes every stream, and successive runs
-differ), and replica ``r``'s generator is seeded with ``mix(base, r)``.
+the first random draw of a run takes one 64-bit base seed from (a copy of) the caller's
+generator as the run started, which the run's end advances by that draw (so
+``torch.manual_seed(s)`` before ``run`` fixes every stream, successive runs differ, and
+a step that reseeds torch or restores it with ``fork_rng`` changes neither), and replica
+``r``'s generator is seeded with ``mix(base, r)``.
 
 The routing happens in torch's dispatcher, not in Python around every call: every
 ATen operator that torch tags ``nondeterministic_seeded`` and that takes a
@@ -18,12 +20,14 @@ dropout, attention, ``rrelu``, ``gumbel_softmax``, ``torch.rand`` and the rest e
 one of these operators (``bernoulli_``, ``uniform_``, ``random_``, ...), which is
 intercepted there. So:
 
-- operators that are not random cost nothing (they never reach a kernel of ours);
+- operators that are not random cost nothing (they never reach a kernel of ours); a
+  run copies the caller's generator state at its start (about 0.5 µs);
 - each random operator costs one Python call (about 3.5 µs), in or out of ``run``
   once a strategy with per-replica streams exists;
 - the masks are torch's own: replica ``r`` draws exactly what eager torch would
   draw after ``torch.manual_seed(seed_r)``;
-- ``torch.compile`` sees nothing of it (no graph break); Inductor's random ops
+- ``torch.compile`` sees nothing of it (no graph break; Dynamo's frame hook skips
+  the kernel where an eager draw meets it); Inductor's random ops
   take their seeds from ``aten.randint`` when the compiled graph runs, which is
   routed like any other draw, so compiled dropout is per-replica and reproducible
   from ``torch.manual_seed`` too.
@@ -44,6 +48,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from ..lazy_torch import skip_in_dynamo
 
 __all__ = ["RandomStreams", "drop_stale_modes", "library_call", "recomputing_for_a_replica",
            "state"]
@@ -97,6 +103,10 @@ def _kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
                 raise RuntimeError(_recompute_message(op))
         return redispatch(keyset, *args, **kwargs)
 
+    # The dispatcher calls the kernel as a Python frame of its own; Dynamo's frame hook,
+    # when active around an eager draw (a mirrored model compiled in place), would try to
+    # compile it: graph breaks in the counters, and an error under fullgraph=True.
+    skip_in_dynamo(kernel, inside=True)
     return kernel
 
 
@@ -156,8 +166,11 @@ class RandomStreams:
         install()
         self._ids = tuple(replica_ids)
         self._base: int | None = None
-        self._seed = 0  # torch's initial seed when the run started (`generator`)
-        self._reseeded = 0  # runs whose step reseeded torch before its first draw
+        # The caller's generator as the run started (`start_run`): the base seed is drawn
+        # from this copy, so a step that reseeds torch (manual_seed, fork_rng) before its
+        # first draw cannot change it; `finish_run` then advances the caller's own.
+        self._start: torch.Tensor | None = None
+        self._drew = False
         self._generators: list[torch.Generator | None] = [None] * len(self._ids)
         self._modes = [ReplicaStream(self, i) for i in range(len(self._ids))]
         # What `call` puts in the thread's stream slot for each replica (the runtime's
@@ -166,11 +179,21 @@ class RandomStreams:
         self._keys = self.keys
 
     def start_run(self) -> None:
-        """A new run: streams are drawn afresh at the first random call."""
-        self._seed = _DEFAULT.initial_seed()
+        """A new run: streams are drawn afresh at the first random call, from the
+        caller's generator as it is now."""
+        self._start = _DEFAULT.get_state()  # (about 0.5 µs)
         if self._base is not None:  # (else no stream was drawn since the last reset)
             self._base = None
             self._generators = [None] * len(self._ids)
+
+    def finish_run(self) -> None:
+        """The run is over: if it drew a base seed, the caller's generator advances by
+        one draw, whatever the step did to it meanwhile (a ``fork_rng`` block restores
+        it: without this, every run would draw the same base and repeat its masks)."""
+        self._start = None
+        if self._drew:
+            self._drew = False
+            torch.randint(0, 1 << 62, (1,), generator=_DEFAULT)
 
     def seed(self, base: int) -> None:
         """Seeds this run's streams from ``base`` instead of a draw from torch's CPU
@@ -198,13 +221,12 @@ class RandomStreams:
         if generator is None:
             with _lock:
                 if self._base is None:
-                    drawn = int(torch.randint(0, 1 << 62, (1,), generator=_DEFAULT).item())
-                    if _DEFAULT.initial_seed() != self._seed:
-                        # The step reseeded torch before its first random call
-                        # (manual_seed in a fork_rng block, for fixed noise): every run
-                        # would draw the same base and repeat its masks.
-                        self._reseeded += 1
-                        drawn += self._reseeded * 0xD1B54A32D192ED03
+                    source = _DEFAULT
+                    if self._start is not None:  # (a run: the state it started from)
+                        source = torch.Generator()
+                        source.set_state(self._start)
+                        self._drew = True
+                    drawn = int(torch.randint(0, 1 << 62, (1,), generator=source).item())
                     self._base = drawn & _MASK
                 base = self._base
             generator = torch.Generator()

@@ -130,9 +130,12 @@ class ThreadRuntime:
         self._host_only = all(d == _HOST for d in topology.torch_devices)
         self._baton = self._split_threads and timeout_seconds is None
         # (CPU draws only: a GPU replica's draws on its device use the device's generator,
-        # and a factory without a device draws on the CPU: see `on_device`)
+        # and a factory without a device draws on the CPU: see `on_device`). Streams
+        # whenever the job has several replicas, also one per worker: replica g draws
+        # what it draws wherever it runs (2 workers of 1 replica as 1 worker of 2), not
+        # the masks of a worker seeded alike.
         self._streams = RandomStreams(topology.replica_ids) if (
-            per_replica_random and self._n > 1) else None
+            per_replica_random and topology.num_replicas_in_sync > 1) else None
         self._pool = default_pool()
         self._pool.retain()
         self._closed = False
@@ -229,6 +232,8 @@ class ThreadRuntime:
                     rendezvous.abort, grace=GRACE_SECONDS, straggler_wait=self._straggler_wait,
                     baton=rendezvous.in_baton if baton else None)
             finally:
+                if self._streams is not None:
+                    self._streams.finish_run()
                 rendezvous.finish()
                 self._last_seconds = (self._last_seconds[1], time.perf_counter() - start)
         finally:
@@ -249,6 +254,10 @@ class ThreadRuntime:
         self._caller_device = caller_device
         self._caller_default = default = default_device_set()
         device = self._topology.torch_devices[0]
+        streams = self._streams  # (one replica of a job of several: its stream, as in-process)
+        if streams is not None:
+            streams.start_run()
+            call = functools.partial(streams.call, fn=call)
         try:
             self._one_running = self._several  # (one replica of a job of several workers)
             if device == caller_device and device.type == "cpu":
@@ -260,6 +269,8 @@ class ThreadRuntime:
             raise
         finally:
             self._one_running = False
+            if streams is not None:
+                streams.finish_run()
 
     def _acquire_run_lock(self) -> None:
         lock = self._run_lock

@@ -116,6 +116,9 @@ class Parts:
     number, which names its optimizers' step calls (a fixed job's workers mirror them
     in the same order: ``mirror`` starts each from the chief's values, a collective;
     an elastic job's do not, and its steps carry no call identity).
+    ``bucket_owners``: weak references to the gradient buckets of the mirrored
+    optimizers built on this strategy, oldest first (only the newest launches during
+    backward: `training.overlap`).
     """
 
     strategy_ref: weakref.ReferenceType[Any]
@@ -132,6 +135,7 @@ class Parts:
     count_calls: list[int] = dataclasses.field(init=False)
     models: list[int] = dataclasses.field(init=False)
     run_args: list[Any] = dataclasses.field(init=False)
+    bucket_owners: list[Any] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "loss_divisors", [0] * self.topology.num_local_replicas)
@@ -141,6 +145,7 @@ class Parts:
         object.__setattr__(self, "count_calls", [0] * self.topology.num_local_replicas)
         object.__setattr__(self, "models", [0])
         object.__setattr__(self, "run_args", [None])
+        object.__setattr__(self, "bucket_owners", [])
 
     def next_model(self) -> int:
         """The number of a module mirrored now (`models`)."""

@@ -45,6 +45,15 @@ PLACES_HINT = ("the workers are at different calls: a call made or skipped on so
                "only (a strategy.reduce or a metric on the chief only, an optimizer.step() "
                "skipped on one worker) or a run (a step) skipped or added on one; every "
                "worker must make the same calls in the same order")
+BUCKET, ASYNC = "gradient bucket ", " (asynchronous)"  # (`DistributedCommunicator.launch_sum`)
+BUCKET_HINT = ("a mirrored optimizer's gradient bucket, launched while backward() ran, met "
+               "another call: either a collective was skipped or added on some workers "
+               "(every worker must make the same calls in the same order), or a worker "
+               "skipped backward() (a non-finite loss, an empty batch) or ran it at another "
+               "point of the step while the others ran it, and made a collective before "
+               "optimizer.step(); then run backward() at the same point on every worker "
+               "or pass mirror_optimizer(..., overlap=False), which sends the gradients at "
+               "step()")
 
 
 def _place(call: str) -> tuple[str, str]:
@@ -217,8 +226,11 @@ class CallWatch:
                             for r, c in sorted(calls.items()))
         # (the counting worker's own error says why it counted: `ReplicaContext._sum_examples`)
         counted = DESPITE not in mine and any(DESPITE in c for c in calls.values())
+        bucket = (any(ASYNC in c for c in answered)
+                  and any(BUCKET not in c for c in answered))
         hint = (f" ({COUNT_HINT})" if counted else f" ({EXAMPLES_HINT})" if sources else
-                f" ({PLACES_HINT})" if len(taken) > 1 else "")
+                f" ({BUCKET_HINT})" if bucket else f" ({PLACES_HINT})" if len(taken) > 1
+                else "")
         self.fail(CollectiveMismatchError(
             f"workers made different calls as collective #{seq} (a different call, site, "
             f"op, shape or dtype, or a worker skipped or added a call); no data of it was "

@@ -7,10 +7,11 @@ counts the gradients in; when a bucket holds every local replica's gradients, th
 replica thread that completed it packs them, sums them in replica order (the
 step's own local sum) and launches the bucket's all-reduce: across workers an
 asynchronous ``torch.distributed`` call that runs while backward goes on. Buckets
-are launched strictly in order, and every bucket still missing a gradient when a
-replica's backward pass ends (an unused parameter) is completed then with zeros,
-so every worker makes the same calls in the same order before ``backward()``
-returns. The last bucket is not launched ahead: it rides in the step's all-reduce
+are launched strictly in order; the parameters a replica's backward pass will not
+reach count in as zeros when it starts (`premark`), and any gradient still missing
+when it ends does, so every worker makes the same calls in the same order before
+``backward()`` returns, a bucket completing at the same point of backward on all.
+The last bucket is not launched ahead: it rides in the step's all-reduce
 with the presence flags, fingerprints, BatchNorm statistics and buffers, so a
 model of one bucket makes exactly the calls it makes without overlap.
 ``step()`` waits for the others (`GradientReducer`).
@@ -152,6 +153,14 @@ def _hook(ref: weakref.ReferenceType[GradientBuckets], r: int, k: int
     return hook
 
 
+def _accumulator(p: nn.Parameter) -> Any:
+    """``p``'s gradient accumulator (torch's AccumulateGrad node, held as DDP holds it), or
+    ``None`` for a frozen parameter."""
+    with torch.enable_grad():
+        view = p.view_as(p)
+        return None if view.grad_fn is None else view.grad_fn.next_functions[0][0]
+
+
 def _remove(handles: Sequence[Any]) -> None:
     for h in handles:
         h.remove()
@@ -168,11 +177,19 @@ class GradientBuckets:
         bucket_bytes: the most bytes of gradients per bucket.
         label: the optimizer (``"the optimizer of mirrored model #1"``), which the
             workers' calls name.
+        owners: the strategy's `GradientBuckets` so far (weak references, oldest
+            first; this one is added). Only the newest launches during backward: the
+            launches of two would interleave in an order of their own on each worker
+            (a parameter unused on one worker's data completes its bucket at the end
+            of that worker's backward, mid-way on the others; the local replicas'
+            timing), and an optimizer replaced but not yet collected, or kept, would
+            go on launching on some workers only. The others launch at their
+            ``step()``, in program order.
     """
 
     def __init__(self, params: tuple[list[nn.Parameter], ...], comm: Any,
                  devices: tuple[Any, ...], bucket_bytes: int,
-                 label: str = "the optimizer") -> None:
+                 label: str = "the optimizer", owners: list[Any] | None = None) -> None:
         self._params = params
         self._label = label
         self._sum: AsyncSum = comm if hasattr(comm, "launch_sum") else _LocalSum(comm, devices)
@@ -187,7 +204,23 @@ class GradientBuckets:
                 self._bucket_of[k] = b
         self._lock = threading.Lock()
         self.armed = False  # launch during backward this step (agreed by every worker)
+        self.newest = True  # no GradientBuckets of this strategy was built after this one
+        if owners is not None:  # (built in the same order on every worker: agreed)
+            for ref in owners:
+                if (older := ref()) is not None:
+                    older.retire()
+            owners[:] = [ref for ref in owners if ref() is not None]
+            owners.append(weakref.ref(self))
         self.verified = False  # the plan went through one fully checked step
+        # At the first hook of a backward pass, the parameters it will not reach count in
+        # as zeros at once (DDP's find_unused_parameters), not at its end: a bucket with a
+        # parameter that only some workers' data reaches then completes at the same point
+        # of backward on every worker, before a collective made in backward after it
+        # (sync BatchNorm's). Off for good (agreed) once a parameter so counted was
+        # reached in the same pass after all (a nested backward: reentrant checkpoint).
+        self.premark = True
+        self._accumulators = [[_accumulator(p) for p in ps] for ps in params]
+        self._passes = [0] * self._local  # backward passes begun, per replica
         # steps, bucket communication (s), of it during backward (s), stale steps here,
         # buckets launched during backward
         self.stats = {"steps": 0.0, "comm_s": 0.0, "hidden_s": 0.0, "redone": 0.0,
@@ -216,10 +249,18 @@ class GradientBuckets:
         self._queued = [False] * self._local
         self.stale = False  # a launched bucket's gradient changed (a second backward)
         self.accumulated = False  # a gradient was accumulated twice before the step
+        self.late = False  # a parameter counted in at a pass's start was reached in it
+        self._premarked = [[-1] * n for _ in range(self._local)]  # ... in pass number
 
     def remove(self) -> None:
         """Removes every hook."""
         _remove(self.handles)
+
+    def retire(self) -> None:
+        """Another optimizer's buckets were built on the strategy: from now on this
+        one launches at ``step()`` only."""
+        with self._lock:
+            self.newest = self.armed = False
 
     # ------------------------------------------------------------- backward
     def hook(self, r: int, k: int) -> None:
@@ -228,14 +269,29 @@ class GradientBuckets:
             self._mark(r, k)
             if self.armed and not self._queued[r]:
                 self._queued[r] = True
+                self._passes[r] += 1
                 # torch runs queued callbacks when this backward pass ends
                 # (a private entry point, stable since torch 1.x; DDP uses it).
                 Variable._execution_engine.queue_callback(lambda: self._backward_end(r))
+                if self.premark:
+                    self._unreached(r)
+
+    def _unreached(self, r: int) -> None:
+        """Counts in replica ``r``'s gradients this backward pass will not reach (lock
+        held; `premark`)."""
+        ready, premarked = self._ready[r], self._premarked[r]
+        for k, node in enumerate(self._accumulators[r]):
+            if not ready[k] and node is not None and not torch._C._will_engine_execute_node(
+                    node):
+                premarked[k] = self._passes[r]
+                self._mark(r, k)
 
     def _mark(self, r: int, k: int) -> None:
         """Replica ``r``'s gradient ``k`` is in (lock held)."""
         if self._ready[r][k]:
             self.accumulated = True
+            if self._queued[r] and self._premarked[r][k] == self._passes[r]:
+                self.late = True
             if self._bucket_of[k] < self._next:
                 self.stale = True
             return
@@ -279,11 +335,11 @@ class GradientBuckets:
         self._pending.append(pending)
 
     # ----------------------------------------------------------------- step
-    def finish(self) -> tuple[list[list[torch.Tensor]], bool, bool]:
+    def finish(self) -> tuple[list[list[torch.Tensor]], bool, bool, bool]:
         """At the step, once every local replica is there: launches the buckets not
         launched yet (missing gradients as zeros), waits for all; returns each
-        bucket's sums (one flat tensor per local replica) and this step's stale and
-        accumulated flags, and starts the next step's count."""
+        bucket's sums (one flat tensor per local replica) and this step's stale,
+        accumulated and late flags, and starts the next step's count."""
         with self._lock:
             backward_end = time.perf_counter()
             for b in range(self._next, self.early):
@@ -299,7 +355,7 @@ class GradientBuckets:
             self.stats["comm_s"] += total
             self.stats["hidden_s"] += hidden
             self.stats["redone"] += self.stale
-            flags = (self.stale, self.accumulated)
+            flags = (self.stale, self.accumulated, self.late)
             self.armed = False  # until the step's all-reduce says (decide)
             self._reset()
             return out, *flags
@@ -313,20 +369,22 @@ class GradientBuckets:
             for k, part in zip(members, packing.unpack(per_replica[r], like), strict=True):
                 params[k].grad = part
 
-    def decide(self, stale: bool, accumulated: bool) -> None:
+    def decide(self, stale: bool, accumulated: bool, late: bool) -> None:
         """After the step's all-reduce (every local replica, before it leaves the
         step; all decide alike): the next step launches during backward unless some
-        replica of some worker accumulated or went stale in this one."""
+        replica of some worker accumulated or went stale in this one; ``late``: some
+        replica reached a parameter counted in at its pass's start (`premark` off)."""
         with self._lock:
             self.verified = True
-            self.armed = not (stale or accumulated)
+            self.armed = self.newest and not (stale or accumulated)
+            self.premark = self.premark and not late
 
 
 class Finished:
     """`GradientBuckets.finish`'s result, handed to every replica as one object."""
 
-    def __init__(self, sums: list[list[torch.Tensor]], stale: bool, accumulated: bool) -> None:
-        self.sums, self.stale, self.accumulated = sums, stale, accumulated
+    def __init__(self, sums: list[list[torch.Tensor]], *flags: bool) -> None:
+        self.sums, self.flags = sums, flags  # stale, accumulated, late
 
     def __iter__(self) -> Iterator[Any]:
-        return iter((self.sums, self.stale, self.accumulated))
+        return iter((self.sums, *self.flags))

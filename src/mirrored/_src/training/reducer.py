@@ -150,9 +150,9 @@ class GradientReducer:
         if overlap and n > 1 and len(bucket_plan(params[0], bucket_bytes)) > 1:
             self.buckets = GradientBuckets(params, self._parts.communicators.default,
                                            self._parts.topology.devices, bucket_bytes,
-                                           self.optimizer_name)
-            # + this replica's stale and accumulated flags (see GradientBuckets)
-            self._meta = tuple(torch.cat([m, m.new_zeros(2)]) for m in self._meta)
+                                           self.optimizer_name, self._parts.bucket_owners)
+            # + this replica's stale, accumulated and late flags (see GradientBuckets)
+            self._meta = tuple(torch.cat([m, m.new_zeros(3)]) for m in self._meta)
 
     def _finish_buckets(self, r: int) -> Finished:
         """Every local replica meets; the last to arrive finishes the buckets (the
@@ -249,8 +249,8 @@ class GradientReducer:
             for k in missing:
                 grads[k] = torch.zeros_like(params[k])
         if buckets is not None:
-            sums, stale, accumulated = self._finish_buckets(r)
-            meta[-2:] = torch.tensor([float(stale), float(accumulated)])
+            sums, *flags = self._finish_buckets(r)
+            meta[-3:] = torch.tensor([float(flag) for flag in flags])
         sync = self._sync[r]
         # Elastic: the job's step paces the check (a rejoined worker's own count differs).
         count = self.seq[r] if self._steps is None else self._steps.step
@@ -290,8 +290,8 @@ class GradientReducer:
             for k, t in zip(last, reduced, strict=False):
                 params[k].grad = t
             reduced = [*params, *reduced[len(last):]]
-            stale, accumulated = (bool(v > 0) for v in reduced[n][-2:].tolist())
-            buckets.decide(stale, accumulated)
+            stale, accumulated, reached = (bool(v > 0) for v in reduced[n][-3:].tolist())
+            buckets.decide(stale, accumulated, reached)
             if stale:  # a second backward changed launched buckets: as without overlap
                 for p, t in zip(params, self._sum(ctx, grads), strict=True):
                     p.grad = t

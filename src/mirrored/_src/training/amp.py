@@ -19,6 +19,12 @@ strategy, or with another optimizer, they are torch's own. Inside one, with a
   scale; the others' calls for that step do nothing. The scale stays one tensor.
 - the scale's lazy creation is locked (replicas call ``scale`` at once).
 
+A disabled scaler (``GradScaler(enabled=use_amp)`` with ``use_amp`` false, as nanoGPT
+builds it for bfloat16) is torch's own, but for ``unscale_(opt)``, which all-reduces
+the gradients as an enabled one's does (on one device it does nothing, and the
+gradients are already the global batch's there), so the clipping after it clips the
+global gradients on N replicas too.
+
 The per-replica stage (ready, unscaled, stepped) keeps torch's errors: a second
 ``unscale_`` or ``step`` before ``update`` raises as it does on one device.
 """
@@ -146,8 +152,8 @@ def _wrapped_unscale(original: Callable[..., Any]) -> Callable[..., Any]:
     def unscale_(self: Any, optimizer: Any) -> None:
         target = _target(self, optimizer)
         if target is None:
-            if getattr(self, "_enabled", False) and isinstance(optimizer, ScaledOptimizer):
-                optimizer.amp_settle(stepped=False)  # one replica: checked as N replicas
+            if isinstance(optimizer, ScaledOptimizer):  # one replica, or a disabled scaler:
+                optimizer.amp_settle(stepped=False)  # all-reduced (once) as enabled on N
             return original(self, optimizer)  # type: ignore[no-any-return]
         _unscale(self, *target)
         return None
@@ -160,7 +166,7 @@ def _wrapped_step(original: Callable[..., Any]) -> Callable[..., Any]:
         target = _target(self, optimizer)
         if target is None:
             result = original(self, optimizer, *args, **kwargs)
-            if getattr(self, "_enabled", False) and isinstance(optimizer, ScaledOptimizer):
+            if isinstance(optimizer, ScaledOptimizer):
                 optimizer.amp_settle(stepped=True)
             return result
         if "closure" in kwargs:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .. import context
 from ..errors import CollectiveMismatchError
 
 __all__ = ["CheckpointManager"]
@@ -47,6 +48,16 @@ def _spread_and_first(strategy: Any, value: int, index: int) -> tuple[int, int, 
     """
     both = strategy.reduce("MAX", torch.tensor([value, -value, -index], dtype=torch.int64))
     return -int(both[1]), int(both[0]), -int(both[2])
+
+
+def _outside_run(what: str) -> None:
+    """Refuses a call from a replica: every replica would save (or restore) once per
+    step, and the workers' agreement on the step is a cross-replica reduce."""
+    if context.current_replica_context() is not None:
+        raise RuntimeError(f"CheckpointManager.{what} was called inside strategy.run, where "
+                           "every replica would call it; call it in the training loop, "
+                           "after strategy.run returns (outside run the mirrored model and "
+                           "optimizer read as replica 0's, which every copy equals)")
 
 
 def _check_objects(objects: Mapping[str, Any]) -> None:
@@ -182,8 +193,9 @@ class CheckpointManager:
             CollectiveMismatchError: the workers passed different steps, or one made a
                 collective the others did not (on every worker; nothing is written).
             RuntimeError: the chief failed to write (on the other workers; the chief
-                raises its own error).
+                raises its own error); called inside ``strategy.run``.
         """
+        _outside_run("save")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise TypeError(f"step must be an int >= 0; got {step!r}")
         _check_objects(objects)
@@ -253,9 +265,10 @@ class CheckpointManager:
 
         Raises:
             RuntimeError: the workers see different newest checkpoints (a directory
-                that is not shared).
+                that is not shared); called inside ``strategy.run``.
             KeyError: the checkpoint lacks one of ``objects``' names.
         """
+        _outside_run("restore")
         _check_objects(objects)
         steps = self.steps()
         newest = steps[-1] if steps else -1

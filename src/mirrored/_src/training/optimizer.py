@@ -222,8 +222,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
         return replica_index(self._strategy, "GradScaler.step", required=False)
 
     def amp_settle(self, stepped: bool) -> None:
-        """One replica, torch's own scaler: gradients settled before its ``unscale_``
-        (changed since ``backward()``: refused), used up after its ``step``."""
+        """torch's own scaler (one replica, or disabled): gradients settled (on N, all-reduced)
+        before its ``unscale_`` (changed since ``backward()``: refused), used up after ``step``."""
         r = replica_index(self._strategy, "GradScaler.unscale_", required=False)
         if r is not None and stepped:
             self._reducer.reduced[r] = False

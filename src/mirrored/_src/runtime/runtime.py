@@ -103,6 +103,7 @@ def _complete_alone(arrival: Arrival[P, R]) -> R:
 
 
 _runtimes: weakref.WeakSet[ThreadRuntime] = weakref.WeakSet()
+_ONE_ROW = "Expected more than 1 value per channel when training"  # (torch's BatchNorm)
 
 
 @final
@@ -265,7 +266,7 @@ class ThreadRuntime:
             with on_device(device, default):
                 return call(0)
         except Exception as error:
-            add_note(error, self._note(0))
+            add_note(error, self._note(0, error))
             raise
         finally:
             self._one_running = False
@@ -321,8 +322,17 @@ class ThreadRuntime:
             self._closed = True
             self._pool.release()  # emptied once no open strategy uses it
 
-    def _note(self, index: int) -> str:
-        return f"raised in {self._topology.labels[index]} of {self._name}.run"
+    def _note(self, index: int, error: BaseException | None = None) -> str:
+        note = f"raised in {self._topology.labels[index]} of {self._name}.run"
+        if (isinstance(error, ValueError) and self._topology.num_replicas_in_sync > 1
+                and str(error).startswith(_ONE_ROW)):
+            note += (f". Each replica gets its rows of the global batch; {_ONE_ROW} "
+                     "is BatchNorm's refusal of a shard of one row, which it normalizes alone "
+                     "(a global batch smaller than 2 rows per replica, or a partial last "
+                     "batch), where one device normalizes the whole batch: mirror the model "
+                     "with sync_batch_norm=True (global-batch statistics), or drop the "
+                     "partial batch (drop_last=True)")
+        return note
 
     def _failure_error(self, failures: Sequence[ReplicaFailure]) -> BaseException:
         # An interrupt first; then the root cause, not a replica released because of
@@ -332,7 +342,7 @@ class ThreadRuntime:
             f.error, ReplicaAbortedError | ReplicaAbandoned)] or [
             f for f in failures if not isinstance(f.error, ReplicaAbortedError)]
         failure = min(causes or failures, key=lambda f: f.replica_id)
-        add_note(failure.error, self._note(failure.replica_id))
+        add_note(failure.error, self._note(failure.replica_id, failure.error))
         return failure.error
 
 

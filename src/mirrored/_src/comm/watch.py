@@ -125,7 +125,8 @@ class CallWatch:
                     if work.is_completed():  # failed, or done right after the poll ended
                         failure = self._failure(work)
                         if failure is not None:
-                            self._broken_link(failure, seq, text, time.monotonic() - start)
+                            self._broken_link(failure, seq, text, time.monotonic() - start,
+                                              deadline)
                         break
                 if self._job is not None:
                     self.fail_if_gone(seq, text)
@@ -153,12 +154,14 @@ class CallWatch:
             return failure
         return None
 
-    def _broken_link(self, error: RuntimeError, seq: int, text: object, waited: float
-                     ) -> NoReturn:
+    def _broken_link(self, error: RuntimeError, seq: int, text: object, waited: float,
+                     deadline: float | None = None) -> NoReturn:
         """A collective failed in the process group. At the group's own timeout (longer
         than the job's, so only a longer per-call timeout or none meets it) that is a
         timeout; before it, a peer's connection broke, and the job's monitor says who,
-        within its bound."""
+        within its bound, but never past the call's ``deadline`` (the collective
+        timeout bounds every wait in a call: a failure timeout longer than it leaves
+        the error nameless rather than late)."""
         limit = self._job.collective_timeout if self._job is not None else None
         if limit is not None and waited >= limit - 0.5:
             self.fail(CollectiveTimeoutError(
@@ -170,6 +173,8 @@ class CallWatch:
             # delay its thread, so the nameless error waits 2 s more than the bound.
             give_up = (time.monotonic() + self._job.failure_timeout
                        + 3 * self._job.poll_interval + 2.0)
+            if deadline is not None:
+                give_up = min(give_up, deadline)
             while time.monotonic() < give_up:
                 self.fail_if_gone(seq, text, cause=error)
                 time.sleep(self._job.poll_interval / 2)

@@ -94,9 +94,10 @@ def global_batch_steps(source: Iterable[Any], topology: Topology,
                         fetch: bool, tag: bool = False, digest: bool = True,
                         held: HeldBatches | None = None) -> Generator[Any, None, None]:
     """The steps of `DistributedDataset`; with ``tag`` (several workers) each step's
-    `PerReplica` batches carry its `StepExamples`, with ``digest`` of its elements
-    (`sample_digest`); ``held`` reads the source and notes the tensors the steps keep
-    as they are (not copied to a device) until the loop is past them (`HeldBatches`)."""
+    `PerReplica` batches carry its `StepExamples`, whose digest hashes the step's place
+    in the pass and, with ``digest``, a sample of its elements (`sample_digest`);
+    ``held`` reads the source and notes the tensors the steps keep as they are (not
+    copied to a device) until the loop is past them (`HeldBatches`)."""
     n, ids = topology.num_replicas_in_sync, topology.replica_ids
     devices = topology.torch_devices if fetch and not topology.follows_caller else None
     device = None if devices is None else devices[0]
@@ -144,8 +145,13 @@ def global_batch_steps(source: Iterable[Any], topology: Topology,
                     chunk_bounds(batch_size, n, n - 1)[0] < batch_size) else None  # (the
                 # last replica's chunk is the smallest)
             examples = tags[batch_size] if tag else None
-            if examples is not None and digest:  # (this step's own: alike on every worker)
-                examples = StepExamples(examples.total, examples.sizes, sample_digest(leaves))
+            if examples is not None:  # (this step's own, alike on every worker: its place
+                # in the pass, so that a worker that skipped a step's run, a `continue`
+                # before strategy.run, gives its next run another place, also where no
+                # element is sampled; and a sample of its elements; ints hash alike in
+                # every process)
+                examples = StepExamples(examples.total, examples.sizes, hash(
+                    (index, sample_digest(leaves) if digest else 0)))
             yield pack_step(spec, split_leaves(leaves, batch_size, n, ids), topology, devices,
                         examples)
     finally:

@@ -91,8 +91,9 @@ class MultiWorkerMirroredStrategy(Strategy):
             different calls mix data.
 
     Raises:
-        ValueError: workers with different local replica counts (every worker raises,
-            naming each worker's count), NCCL on CPU replicas, bad devices.
+        ValueError: workers with different local replica counts or ``check_collectives``
+            (every worker raises, naming each worker's), NCCL on CPU replicas, bad
+            devices.
         StartupError: the job did not start within ``timeout_seconds`` (120 s by
             default) plus a second, on every worker: nothing (or something else)
             listens at the rendezvous, workers disagree on the job's size, duplicate
@@ -133,7 +134,8 @@ class MultiWorkerMirroredStrategy(Strategy):
             agent_store=spec.agent_store), {
                 "local replicas": len(parsed),
                 "device kinds": (1 if any(d.kind == "CPU" for d in parsed) else 0)
-                | (2 if any(d.kind == "GPU" for d in parsed) else 0)})
+                | (2 if any(d.kind == "GPU" for d in parsed) else 0),
+                "check collectives": int(bool(check_collectives))})
         counts = job.facts["local replicas"]
         if len(set(counts)) > 1:
             job.close()
@@ -141,6 +143,15 @@ class MultiWorkerMirroredStrategy(Strategy):
             raise ValueError(f"every worker of a MultiWorkerMirroredStrategy needs the same "
                              f"number of local replicas; got {listing}. Pass devices= with "
                              "as many devices on every worker")
+        checks = job.facts["check collectives"]
+        if len(set(checks)) > 1:
+            # (a checked call carries a trailer or a header that an unchecked peer's call
+            # lacks: their first collective would meet in other sizes or other calls)
+            job.close()
+            listing = ", ".join(f"worker {i}: {bool(c)}" for i, c in enumerate(checks))
+            raise ValueError(f"every worker of a MultiWorkerMirroredStrategy needs the same "
+                             f"check_collectives; got {listing}. Pass the same value on "
+                             "every worker")
         kinds = 0
         for mask in job.facts["device kinds"]:
             kinds |= mask

@@ -18,6 +18,12 @@ parameter's entry, a moment zeroed in place) reaches the other local replicas at
 the next step: replica 0 compares its state with a signature taken when it was
 handed out (each entry's keys, value objects and tensor versions) and, before the
 step's all-reduce, copies the entries that changed into the others' optimizers.
+
+Each replica's groups keep the parameters ``make_optimizer`` gave them (only their
+values are replica 0's): once the groups were handed out outside ``run``, replica 0's
+next step compares every replica's with those it was built with, before the all-reduce,
+and a group appended or a parameter taken out or moved raises before any copy steps
+(replica 0 would otherwise train other parameters than the others, silently).
 """
 
 from __future__ import annotations
@@ -54,6 +60,27 @@ class StepHyperParameters:
         # what each replica's groups held when `take` last wrote them (at first: their own)
         self._written: list[list[Written]] = [
             [_written(group) for group in o.param_groups] for o in optimizers]
+        # each replica's groups' parameters as built; checked after handed out (`layout`)
+        self._layouts = [_layout(o) for o in optimizers]
+        self._groups_out = False
+
+    def groups_handed_out(self) -> None:
+        """The parameter groups were handed out (outside ``run``): `publish` checks
+        that they still hold the parameters they were built with."""
+        self._groups_out = True
+
+    def _check_layouts(self) -> None:
+        """Raises if a replica's groups hold other parameters than built with.
+
+        Raises:
+            RuntimeError: a group added, a parameter taken out of or moved between groups.
+        """
+        self._groups_out = False
+        for r, (optimizer, built) in enumerate(zip(self._optimizers, self._layouts,
+                                                   strict=True)):
+            now = _layout(optimizer)
+            if now != built:
+                raise RuntimeError(_relaid(r, built, now))
 
     def state_handed_out(self) -> None:
         """Replica 0's state was handed out (outside ``run``): notes its signature."""
@@ -90,6 +117,8 @@ class StepHyperParameters:
     def publish(self, r: int, step: int) -> None:
         """Replica ``r``'s call before the all-reduce of ``step``: replica 0 records."""
         if r == 0 and len(self._optimizers) > 1:
+            if self._groups_out:  # (before the all-reduce: refused before any copy steps)
+                self._check_layouts()
             self._spread_state()
             self._by_step[step] = [
                 {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
@@ -128,6 +157,8 @@ class StepHyperParameters:
                 ``run``: from its own share of the batch) that differs from replica 0's.
         """
         groups, written = self._optimizers[r].param_groups, self._written[r]
+        if len(groups) != len(self._by_step[step]):  # (changed without being handed out)
+            raise RuntimeError(_relaid(r, self._layouts[r], _layout(self._optimizers[r])))
         if len(written) == len(groups):  # (a group added since: not compared)
             for g, (source, target, (group, was, versions)) in enumerate(
                     zip(self._by_step[step], groups, written, strict=True)):
@@ -145,6 +176,28 @@ class StepHyperParameters:
 
 
 _GONE = object()
+
+
+def _layout(optimizer: torch.optim.Optimizer) -> list[list[int]]:
+    """The ids of each parameter group's parameters (held by the optimizer: stable)."""
+    return [list(map(id, group["params"])) for group in optimizer.param_groups]
+
+
+def _relaid(r: int, built: list[list[int]], now: list[list[int]]) -> str:
+    if len(now) != len(built):
+        what = f"{len(now)} groups, built with {len(built)}"
+    else:
+        g = next(g for g, (a, b) in enumerate(zip(built, now, strict=True)) if a != b)
+        what = (f"group {g} holds {len(now[g])} parameters, built with {len(built[g])}"
+                if len(now[g]) != len(built[g]) else f"group {g} holds other parameters")
+    return (f"MirroredOptimizer.step: the parameter groups of local replica {r}'s optimizer "
+            f"changed since make_optimizer built them ({what}; through "
+            "optimizer.param_groups or optimizer.optimizers outside strategy.run). Every "
+            "replica's optimizer steps the parameters make_optimizer gave its groups, and "
+            "only values such as 'lr' are taken from replica 0's: the copies would train "
+            "different parameters. Nothing was stepped. Build every group in make_optimizer "
+            "(a parameter to leave alone: requires_grad=False, or a group with lr=0), or "
+            "build a new mirrored optimizer")
 Written = tuple[dict[str, Any], dict[str, Any], dict[str, int]]
 
 

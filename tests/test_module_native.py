@@ -151,19 +151,26 @@ def test_hooks_run_on_every_copy_and_one_handle_removes_them(
     model = two.mirror(net())
     seen: list[tuple[str, int]] = []
     pre = model.register_forward_pre_hook(lambda m, args: seen.append(("pre", id(m))))
-    post = model.fc2.register_forward_hook(lambda m, args, out: seen.append(("fc2", id(m))))
     back = model.register_full_backward_hook(
         lambda m, gin, gout: seen.append(("back", id(m))))
     x = mirrored.PerReplica([torch.ones(1, 4, dtype=torch.float64),
                              torch.ones(2, 4, dtype=torch.float64)])
+    post = model.fc2.register_forward_hook(lambda m, args, out: seen.append(("fc2", id(m))))
+    with pytest.raises(RuntimeError, match="submodule 'fc2' has 1 forward hook"):
+        two.run(lambda xi: model(xi), args=(x,))  # model.fc2 is replica 0's: refused
+    assert seen == []
+    post.remove()
+    posts = [c.fc2.register_forward_hook(lambda m, args, out: seen.append(("fc2", id(m))))
+             for c in model.replicas]  # (on every copy: the fix the error names)
     two.run(lambda xi: model(xi.clone().requires_grad_()).sum().backward(), args=(x,))
     copies = {id(c) for c in model.replicas}
-    assert sorted(k for k, _ in seen) == ["back", "back", "fc2", "pre", "pre"]
+    assert sorted(k for k, _ in seen) == ["back", "back", "fc2", "fc2", "pre", "pre"]
     assert {i for k, i in seen if k in ("pre", "back")} == copies  # each copy's own
     with pre:  # a handle is a context manager, as torch's
         pass
     back.remove()
-    post.remove()  # model.fc2 is replica 0's: its hook only
+    for handle in posts:
+        handle.remove()
     seen.clear()
     two.run(lambda xi: model(xi.clone().requires_grad_()).sum().backward(), args=(x,))
     assert seen == []

@@ -12,7 +12,8 @@ written in place or replaced (``model.reset_state()``, ``reset_running_stats()``
 forward in train mode updating an EMA or BatchNorm's statistics), and parameters
 written in place (``with torch.no_grad(): for p in model.parameters(): p.clamp_(-c, c)``,
 a WGAN critic's clipping; TF's assignment to a mirrored variable outside a replica
-updates every copy). A change made on that copy too is its own and kept. Writes
+updates every copy), also replaced through ``.data`` (``vector_to_parameters``: the
+memory moves). A change made on that copy too is its own and kept. Writes in place
 through ``.data`` move no version counter and are not seen; the divergence check
 finds a parameter changed that way at its next checked step.
 """
@@ -100,11 +101,14 @@ def _versions(module: nn.Module, tensors: dict[str, Any]) -> dict[str, tuple[tor
 
 
 def _version(module: nn.Module, name: str, t: torch.Tensor) -> Any:
-    """``t``'s version, with ``num_batches_tracked``'s for BatchNorm's running statistics
-    (torch's kernel updates them in a forward in train mode without moving theirs)."""
+    """``t``'s version and memory, with ``num_batches_tracked``'s version for BatchNorm's
+    running statistics (torch's kernel updates them in a forward in train mode without
+    moving theirs). The memory moves when ``t.data = v`` replaces its values (torch's
+    ``vector_to_parameters``), which leaves the version counter as it was."""
     running = name in ("running_mean", "running_var")
     tracked = module._buffers.get("num_batches_tracked") if running else None
-    return t._version if tracked is None else (t._version, tracked._version)
+    return (t._version, None if is_lazy(t) else t.data_ptr(),
+            None if tracked is None else tracked._version)
 
 
 def _tensor_state(before: dict[str, tuple[torch.Tensor, Any]],

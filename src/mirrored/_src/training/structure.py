@@ -52,6 +52,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from .. import context
+from .module_hooks import check_hooks
 from .outside_state import carry_state, record, settle
 from .plain_optimizer import register_copies
 
@@ -247,6 +248,7 @@ def check_module(module: Any, *, full: bool = False) -> None:
     if module.__dict__["_lazy"]:  # initialized since (each copy by its own forward)
         _initialize(named, module.__dict__["_lazy"])
         module.__dict__["_lazy"] = {name for name, p in first if is_lazy(p)}
+    check_hooks(mods)  # (a hook registered through a submodule: raises)
 
 
 def expose(module: Any, outside_run: bool) -> None:

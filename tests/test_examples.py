@@ -1,4 +1,4 @@
-"""The quick-start example (what `make demo` runs) runs and prints the seed results."""
+"""The quick-start example (what `make quickstart` runs) runs and prints the seed results."""
 
 import pathlib
 import subprocess

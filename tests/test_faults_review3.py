@@ -339,6 +339,9 @@ def test_three_workers_two_agree_and_the_odd_one_is_named(three_workers):
                 assert (kind, workers) == ("WorkerFailureError", (2,)), report["error"]
             else:
                 assert kind == "CollectiveMismatchError", report["error"]
+                # the majority names the odd one, in the message and in error.workers
+                assert workers == (odd,), report["error"]
+                assert f". Worker {odd} differs from workers 0, 1, which agree" in message
                 calls = {r: message.partition(f"worker {r}: ")[2].partition(" at ")[0]
                          for r in range(3)}
                 if fault == "rows":  # the same call; the odd one's batches differ

@@ -25,7 +25,15 @@ class MirroredError(Exception):
 
 class CollectiveMismatchError(MirroredError, ValueError):
     """Replicas broke the collective contract: a different call, op, structure,
-    shape or dtype, or one replica returned while others waited in a collective."""
+    shape or dtype, or one replica returned while others waited in a collective.
+
+    ``workers`` holds the indices of the workers that differ from a majority that
+    agrees (three or more workers; empty when no majority tells who is odd).
+    """
+
+    def __init__(self, message: str, workers: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.workers = workers
 
 
 class CollectiveTimeoutError(MirroredError, TimeoutError):

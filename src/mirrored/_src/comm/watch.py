@@ -56,6 +56,21 @@ BUCKET_HINT = ("a mirrored optimizer's gradient bucket, launched while backward(
                "step()")
 
 
+def _odd_ones(calls: dict[int, str]) -> tuple[tuple[int, ...], str]:
+    """The workers whose call differs from that of a strict majority (3 or more
+    workers), and a sentence naming them; ``((), "")`` when no majority agrees."""
+    groups: dict[str, list[int]] = {}
+    for r, c in sorted(calls.items()):
+        groups.setdefault(c, []).append(r)
+    agree = max(groups.values(), key=len)
+    if len(calls) < 3 or 2 * len(agree) <= len(calls):
+        return (), ""
+    odd = tuple(r for r in sorted(calls) if r not in agree)
+    return odd, (f". Worker{'s' * (len(odd) > 1)} {', '.join(map(str, odd))} "
+                 f"differ{'s' * (len(odd) == 1)} from workers "
+                 f"{', '.join(map(str, agree))}, which agree")
+
+
 def _place(call: str) -> tuple[str, str]:
     """Where a call's text (``entry(what) at site (collective k in run r) [batches taken:
     ...]``) was made: its entry, site and phase, with neither its shapes nor its batches
@@ -236,10 +251,12 @@ class CallWatch:
         hint = (f" ({COUNT_HINT})" if counted else f" ({EXAMPLES_HINT})" if sources else
                 f" ({BUCKET_HINT})" if bucket else f" ({PLACES_HINT})" if len(taken) > 1
                 else "")
+        odd, blame = _odd_ones({r: c if sources else c.partition(EXAMPLES)[0]
+                                for r, c in calls.items()})
         self.fail(CollectiveMismatchError(
             f"workers made different calls as collective #{seq} (a different call, site, "
             f"op, shape or dtype, or a worker skipped or added a call); no data of it was "
-            f"used: {listing}{hint}"))
+            f"used: {listing}{blame}{hint}", odd))
 
     def _progress_text(self) -> str:
         progress = self._job.progress() if self._job is not None else {}

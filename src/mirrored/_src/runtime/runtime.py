@@ -135,7 +135,7 @@ class ThreadRuntime:
         # whenever the job has several replicas, also one per worker: replica g draws
         # what it draws wherever it runs (2 workers of 1 replica as 1 worker of 2), not
         # the masks of a worker seeded alike.
-        self._streams = RandomStreams(topology.replica_ids) if (
+        self._streams = RandomStreams(topology.replica_ids, topology.num_workers > 1) if (
             per_replica_random and topology.num_replicas_in_sync > 1) else None
         self._pool = default_pool()
         self._pool.retain()

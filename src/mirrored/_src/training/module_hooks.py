@@ -30,12 +30,19 @@ def check_hooks(mods: Sequence[Sequence[nn.Module]]) -> None:
     of one kind than the same module of replica 0's copy (``mods``: every copy's
     ``modules()``, in the same order).
 
+    Also raises if the modules' buffers have other names: one registered or removed
+    outside ``run`` through a reference to replica 0's copy kept from before a run
+    (one registered through the mirrored model since the last run reached every copy:
+    `outside_state`).
+
     Raises:
-        RuntimeError: naming the submodule, the kind of hook and the fix.
+        RuntimeError: naming the submodule, the kind of hook (or the buffer) and the fix.
     """
     first = mods[0]
     for k, copy_modules in enumerate(mods[1:], start=1):
         for m0, m in zip(first, copy_modules, strict=True):
+            if m0._buffers.keys() != m._buffers.keys():
+                raise RuntimeError(_buffer_message(first[0], m0, m, k))
             for attr, kind, method in _KINDS:
                 mine, theirs = len(getattr(m0, attr)), len(getattr(m, attr))
                 if mine != theirs:
@@ -58,3 +65,23 @@ def _message(root: nn.Module, m0: nn.Module, kind: str, method: str, mine: int,
         f"copy{path}.{method}(fn)), or on the module before strategy.mirror() (a hook on the "
         f"whole model: model.{method}(fn) on the mirrored model reaches every copy); remove it "
         "with the handle that registration returned")
+
+
+def _buffer_message(root: nn.Module, m0: nn.Module, m: nn.Module, k: int) -> str:
+    name = next((n for n, mod in root.named_modules() if mod is m0), "")
+    where = f"submodule {name!r}" if name else "the model"
+    mine, theirs = list(m0._buffers), list(m._buffers)
+    odd = [b for b in mine if b not in theirs]
+    owner, lacks = ("replica 0's", f"replica {k}'s") if odd else (f"replica {k}'s", "replica 0's")
+    odd = odd or [b for b in theirs if b not in mine] or mine
+    path = f".get_submodule({name!r})" if name else ""
+    return (
+        f"the copies of a mirrored model differ: {where} has buffer {odd[0]!r} on {owner} copy "
+        f"and {lacks} lacks it (nothing ran). A buffer registered or removed outside "
+        "strategy.run through a reference to replica 0's copy kept from before a run (the "
+        "module given to mirror(), or a submodule of the mirrored model taken before a run) "
+        "reaches that copy only. Register it on the mirrored model itself "
+        "(model.register_buffer(name, t) reaches every copy; for a submodule, take it from the "
+        f"mirrored model right before: model{path}.register_buffer(name, t), which the next "
+        "run carries to every copy), on every copy (for copy in model.replicas: "
+        f"copy{path}.register_buffer(name, t.clone())), or before strategy.mirror()")

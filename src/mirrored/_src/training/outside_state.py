@@ -7,8 +7,9 @@ Outside ``run`` the mirrored model reads as replica 0's copy. When it is handed 
 attributes, and their buffers' and parameters' tensors and version counters. At the
 next ``run`` (`carry_state`; or before a change made to every copy, `settle`), what
 changed on replica 0's copy since, and not on the other copy, is given to the other
-copy: plain attributes of immutable values, buffers
-written in place or replaced (``model.reset_state()``, ``reset_running_stats()``, a
+copy: plain attributes of immutable values, buffers registered
+(``model[3].register_buffer(name, t)``), written in place or replaced
+(``model.reset_state()``, ``reset_running_stats()``, a
 forward in train mode updating an EMA or BatchNorm's statistics), and parameters
 written in place (``with torch.no_grad(): for p in model.parameters(): p.clamp_(-c, c)``,
 a WGAN critic's clipping; TF's assignment to a mirrored variable outside a replica
@@ -40,10 +41,12 @@ def record(module: nn.Module) -> Record:
 
 
 def carry_state(before: Record, theirs_before: Record, first: nn.Module,
-                other: nn.Module) -> None:
-    """Gives ``other`` what replica 0's ``first`` changed since ``before`` was recorded,
-    where ``other`` is as ``theirs_before`` recorded it (see the module)."""
+                other: nn.Module, device: torch.device) -> None:
+    """Gives ``other`` (a module of the copy on ``device``) what replica 0's ``first``
+    changed since ``before`` was recorded, where ``other`` is as ``theirs_before``
+    recorded it (see the module)."""
     _plain_state(before[0], theirs_before[0], first, other)
+    _added_buffers(before[1], theirs_before[1], first, other, device)
     _tensor_state(before[1], theirs_before[1], first, other, buffers=True)
     _tensor_state(before[2], theirs_before[2], first, other, buffers=False)
 
@@ -62,7 +65,7 @@ def settle(module: Any) -> None:
         return  # (a layout changed since: the next run's check raises or takes it)
     for k, copy_modules in enumerate(mods[1:], start=1):
         for i, (m0, m) in enumerate(zip(mods[0], copy_modules, strict=True)):
-            carry_state(seen[0][i], seen[k][i], m0, m)
+            carry_state(seen[0][i], seen[k][i], m0, m, own["_devices"][k])
 
 
 _TORCH_OWN = frozenset(nn.Module().__dict__)  # (what torch keeps in a module's __dict__)
@@ -118,8 +121,9 @@ def _tensor_state(before: dict[str, tuple[torch.Tensor, Any]],
     changed outside ``run`` (written in place; a buffer also replaced) since ``before``
     was recorded, where ``other``'s are as ``theirs_before`` recorded: else the next
     step averaged replica 0's reset buffer with the others' old one, and a parameter
-    clipped on replica 0 alone made the copies differ. A tensor added, or written
-    through ``.data`` (torch's version counter does not move), is left alone; so is a
+    clipped on replica 0 alone made the copies differ. A tensor added (a
+    buffer: `_added_buffers`), or written through ``.data`` (torch's version counter
+    does not move), is left alone here; so is a
     parameter replaced or reshaped (the layout check names it), and a lazy one (its
     initialization is the layout check's)."""
     own: dict[str, Any] = first._buffers if buffers else first._parameters
@@ -138,6 +142,19 @@ def _tensor_state(before: dict[str, tuple[torch.Tensor, Any]],
                 mine.copy_(t)
         elif buffers:
             theirs[name] = t.detach().to(mine.device, copy=True)
+
+
+def _added_buffers(before: dict[str, Any], theirs_before: dict[str, Any], first: nn.Module,
+                   other: nn.Module, device: torch.device) -> None:
+    """Registers on ``other`` (a copy on ``device`` of it, persistent or not as there) each
+    buffer registered on replica 0's ``first`` since ``before`` was recorded that ``other``
+    lacks: ``model[3].register_buffer(name, t)`` outside ``run`` (a submodule is replica
+    0's copy there), or a cache a forward outside ``run`` registers, as one device has it."""
+    for name, t in list(first._buffers.items()):
+        if name in before or name in theirs_before or hasattr(other, name):
+            continue  # (not new, or a name the other copy holds: `check_hooks` compares)
+        other.register_buffer(name, None if t is None else t.detach().to(device, copy=True),
+                              persistent=name not in first._non_persistent_buffers_set)
 
 
 def _immutable(value: Any) -> bool:

@@ -22,8 +22,8 @@ another model than one device would:
   the next ``run`` gives every copy replica 0's.
 
 When to look: code outside ``run`` taking hold of a copy's modules or parameters
-(the mirrored module's accessors) bumps `CHANGES`; registering a parameter or
-submodule on any module of a copy (torch's global registration hooks, which also
+(the mirrored module's accessors) bumps `CHANGES`; registering a parameter, a
+submodule or a new buffer on any module of a copy (torch's global registration hooks, which also
 see the module given to `mirror` changed through an old reference) bumps `LAYOUT`
 too. ``run`` compares `CHANGES` with the count it last checked at (one integer
 comparison per run). A check after `CHANGES` alone walks the parameter lists kept
@@ -52,6 +52,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from .. import context
+from .layout_message import layout_message
 from .module_hooks import check_hooks
 from .outside_state import carry_state, record, settle
 from .plain_optimizer import register_copies
@@ -70,11 +71,11 @@ _HOOKED = [False]
 
 
 def _registered(module: nn.Module, name: str, value: Any) -> None:
-    """torch's global registration hook: a parameter or submodule registered on a
+    """torch's global registration hook: a parameter, submodule or buffer registered on a
     module of a copy (by identity: a module's own ``__hash__`` is not called; returns
     ``None``: the value is kept)."""
-    ref = _watched.get(id(module))
-    if ref is not None and ref() is module:
+    ref = _watched.get(id(module))  # (a buffer registered again under its name: no change)
+    if ref is not None and ref() is module and name not in module._buffers:
         LAYOUT[0] += 1
         CHANGES[0] += 1
 
@@ -88,8 +89,8 @@ def watch(module: Any) -> None:
                                     if is_lazy(p)}
         CHANGES[0] += 1  # (its strategy's next run looks: lazy ones are followed from there)
         if not _HOOKED[0]:
-            nn.modules.module.register_module_parameter_registration_hook(_registered)
-            nn.modules.module.register_module_module_registration_hook(_registered)
+            for kind in ("parameter", "module", "buffer"):
+                getattr(nn.modules.module, f"register_module_{kind}_registration_hook")(_registered)
             _HOOKED[0] = True
 
 
@@ -244,7 +245,7 @@ def check_module(module: Any, *, full: bool = False) -> None:
             if m.training != m0.training:
                 m.training = m0.training
             if seen is not None:
-                carry_state(seen[0][i], seen[k][i], m0, m)
+                carry_state(seen[0][i], seen[k][i], m0, m, module._devices[k])
     if module.__dict__["_lazy"]:  # initialized since (each copy by its own forward)
         _initialize(named, module.__dict__["_lazy"])
         module.__dict__["_lazy"] = {name for name, p in first if is_lazy(p)}
@@ -284,7 +285,7 @@ def _check_layout(module: Any, copies: Sequence[nn.Module],
     for k, c in enumerate(copies[1:], start=1):
         layout = _layout(c, named[k])
         if layout != first:
-            raise RuntimeError(_layout_message(first, layout, k))
+            raise RuntimeError(layout_message(first, layout, k))
     before = [dict((name, id(p)) for name, p in params) for params in known]
     changed = [i for i, (name, _) in enumerate(named[0])
                if any(b.get(name) != id(params[i][1]) for b, params in zip(before, named,
@@ -345,42 +346,6 @@ def _same_values(name: str, params: list[nn.Parameter]) -> None:
                 "for each copy gets its own random values. Assign it on the mirrored model "
                 "itself (model.head = nn.Linear(...) is copied to every copy), on every copy "
                 "with equal values, or before strategy.mirror()")
-
-
-def _layout_message(first: Any, other: Any, k: int) -> str:
-    diff = ""
-    for kind, a, b in (("submodule", first[0], other[0]), ("parameter", first[1], other[1])):
-        if a == b:
-            continue
-        mine, theirs = dict(a), dict(b)
-        only_mine = [n for n in mine if n not in theirs]
-        only_theirs = [n for n in theirs if n not in mine]
-        changed = [n for n in mine if n in theirs and mine[n] != theirs[n]]
-        if changed:
-            n = changed[0]
-            diff = (f"{kind} {n!r} is {mine[n]} on replica 0's copy and {theirs[n]} on "
-                    f"replica {k}'s")
-        elif only_mine or only_theirs:
-            n, where, lacks = ((only_mine[0], mine, f"replica {k}'s") if only_mine
-                               else (only_theirs[0], theirs, "replica 0's"))
-            owner = "replica 0's" if only_mine else f"replica {k}'s"
-            diff = f"{owner} copy has {kind} {n!r} ({where[n]}) that {lacks} lacks"
-            if kind == "parameter":
-                diff += " (a parameter shared under two names, as a tied weight, counts once)"
-        else:
-            diff = f"the copies of replicas 0 and {k} list their {kind}s in another order"
-        break
-    if "Lazy" in diff or "uninitialized" in diff:
-        diff += (" (a lazy module initialized by a forward outside strategy.run, which runs "
-                 "replica 0's copy only: initialize it with a forward of the plain module "
-                 "before strategy.mirror(), or inside strategy.run, where every copy runs)")
-    return (f"the copies of a mirrored model differ: {diff}. Outside strategy.run a "
-            "submodule or parameter of the mirrored model (model.encoder, model[0], "
-            "model.parameters(), model.module) and the module given to mirror() are replica "
-            "0's copy, so a change made through them reaches that copy only. Assign on the "
-            "mirrored model itself (model.head = nn.Linear(...) is copied to every copy), make "
-            "the change on every copy (for copy in model.replicas: ...), or make it before "
-            "strategy.mirror()")
 
 
 def frozen_message(names: Sequence[str], replica: int, requiring: int, replicas: int) -> str:

@@ -199,10 +199,10 @@ def assert_equal(got: dict[str, Any], want: dict[str, Any], *, atol: float,
 
 
 def run_workers(configs: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
-    return mirrored.testing.run_multi_process(_worker, 2, args=(configs,), timeout=50)
+    return mirrored.testing.run_multi_process(_worker, 2, args=(configs,), timeout=100)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_two_by_two_equals_one_by_four_and_one_device():
     configs = [("dropout", {"p": 0.3}), ("no_dropout", {"p": 0.0}),
                ("empty_worker", {"p": 0.0, "sizes": EMPTY_WORKER}),

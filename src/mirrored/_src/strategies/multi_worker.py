@@ -9,7 +9,7 @@ from a cluster resolver and refuses workers with different local replica counts.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import final
 
 import torch
@@ -136,22 +136,12 @@ class MultiWorkerMirroredStrategy(Strategy):
                 "device kinds": (1 if any(d.kind == "CPU" for d in parsed) else 0)
                 | (2 if any(d.kind == "GPU" for d in parsed) else 0),
                 "check collectives": int(bool(check_collectives))})
-        counts = job.facts["local replicas"]
-        if len(set(counts)) > 1:
-            job.close()
-            listing = ", ".join(f"worker {i}: {n}" for i, n in enumerate(counts))
-            raise ValueError(f"every worker of a MultiWorkerMirroredStrategy needs the same "
-                             f"number of local replicas; got {listing}. Pass devices= with "
-                             "as many devices on every worker")
-        checks = job.facts["check collectives"]
-        if len(set(checks)) > 1:
-            # (a checked call carries a trailer or a header that an unchecked peer's call
-            # lacks: their first collective would meet in other sizes or other calls)
-            job.close()
-            listing = ", ".join(f"worker {i}: {bool(c)}" for i, c in enumerate(checks))
-            raise ValueError(f"every worker of a MultiWorkerMirroredStrategy needs the same "
-                             f"check_collectives; got {listing}. Pass the same value on "
-                             "every worker")
+        _same(job, "local replicas", "number of local replicas", int,
+              "Pass devices= with as many devices on every worker")
+        # (a checked call carries a trailer or a header that an unchecked peer's call
+        # lacks: their first collective would meet in other sizes or other calls)
+        _same(job, "check collectives", "check_collectives", bool,
+              "Pass the same value on every worker")
         kinds = 0
         for mask in job.facts["device kinds"]:
             kinds |= mask
@@ -194,3 +184,14 @@ class MultiWorkerMirroredStrategy(Strategy):
         return (f"MultiWorkerMirroredStrategy(worker {self._parts.topology.worker_index} of "
                 f"{self._parts.topology.num_workers}, devices=["
                 + ", ".join(repr(d.short_name) for d in self._parts.topology.devices) + "])")
+
+
+def _same(job: Job, fact: str, what: str, shown: Callable[[int], object], fix: str) -> None:
+    """Raises `ValueError` (after leaving the job) unless every worker reported the same
+    start-up ``fact``; the message lists each worker's value as ``shown`` gives it."""
+    values = job.facts[fact]
+    if len(set(values)) > 1:
+        job.close()
+        listing = ", ".join(f"worker {i}: {shown(v)}" for i, v in enumerate(values))
+        raise ValueError(f"every worker of a MultiWorkerMirroredStrategy needs the same "
+                         f"{what}; got {listing}. {fix}")

@@ -190,6 +190,7 @@ class CallWatch:
                        + 3 * self._job.poll_interval + 2.0)
             if deadline is not None:
                 give_up = min(give_up, deadline)
+            self.fail_if_gone(seq, text, cause=error)  # (named already: even past the deadline)
             while time.monotonic() < give_up:
                 self.fail_if_gone(seq, text, cause=error)
                 time.sleep(self._job.poll_interval / 2)
@@ -241,7 +242,8 @@ class CallWatch:
         taken = {c.partition(EXAMPLES)[2] for c in answered}
         # Batches taken differ also when workers are at different calls (a run or a call
         # made on some workers only): the sources are suspect only at the same place.
-        sources = len(taken) > 1 and len({_place(c) for c in answered}) == 1
+        places = {_place(c) for c in answered}
+        sources = len(taken) > 1 and len(places) == 1
         listing = "; ".join(f"worker {r}: {c if sources else c.partition(EXAMPLES)[0]}"
                             for r, c in sorted(calls.items()))
         # (the counting worker's own error says why it counted: `ReplicaContext._sum_examples`)
@@ -249,7 +251,7 @@ class CallWatch:
         bucket = (any(ASYNC in c for c in answered)
                   and any(BUCKET not in c for c in answered))
         hint = (f" ({COUNT_HINT})" if counted else f" ({EXAMPLES_HINT})" if sources else
-                f" ({BUCKET_HINT})" if bucket else f" ({PLACES_HINT})" if len(taken) > 1
+                f" ({BUCKET_HINT})" if bucket else f" ({PLACES_HINT})" if len(places) > 1
                 else "")
         odd, blame = _odd_ones({r: c if sources else c.partition(EXAMPLES)[0]
                                 for r, c in calls.items()})

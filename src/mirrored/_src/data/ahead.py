@@ -27,10 +27,14 @@ class ReadAhead:
     a ``DataLoader`` with persistent workers or a file rewound by ``__iter__``, must not
     start while a closed pass's thread still reads it)."""
 
-    __slots__ = ("error", "keeps", "owner", "producer", "steps")
+    __slots__ = ("error", "keeps", "owner", "producer", "read", "steps")
 
     def __init__(self, keeps: bool = True) -> None:
         self.keeps = keeps
+        # Steps read from a one-shot source by all passes so far: a step's place in the
+        # source, which its digest carries (`global_batch_steps`), is where it was read,
+        # alike on every worker whichever pass hands it out.
+        self.read = 0
         self.steps: deque[Any] = deque()
         self.error: Exception | None = None
         self.owner: Any = None  # a weakref to the pass that holds it

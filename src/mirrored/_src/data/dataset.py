@@ -209,7 +209,8 @@ class DistributedDataset:
         held = HeldBatches()
         steps = global_batch_steps(self._source, self._topology,
                                     self._options.experimental_fetch_to_device, self._count,
-                                    self._options.experimental_compare_batches, held)
+                                    self._options.experimental_compare_batches, held,
+                                    self._ahead)
         # (the tags are kept only at the steps where every worker has data)
         return DistributedIterator(steps, self._options, self._any_worker,
                                    self._topology.torch_devices, _length(self._source),

@@ -19,6 +19,7 @@ import torch
 from .. import pytree
 from ..topology import Topology
 from ..values import PerReplica, StepExamples
+from .ahead import ReadAhead
 from .held import HeldBatches
 from .split import chunk_bounds, flatten_batch, flatten_element, split_leaves, tuple_batch_size
 
@@ -92,10 +93,13 @@ def _as_is(batch: Any, device: torch.device | None) -> bool:
 
 def global_batch_steps(source: Iterable[Any], topology: Topology,
                         fetch: bool, tag: bool = False, digest: bool = True,
-                        held: HeldBatches | None = None) -> Generator[Any, None, None]:
+                        held: HeldBatches | None = None, ahead: ReadAhead | None = None
+                        ) -> Generator[Any, None, None]:
     """The steps of `DistributedDataset`; with ``tag`` (several workers) each step's
     `PerReplica` batches carry its `StepExamples`, whose digest hashes the step's place
-    in the pass and, with ``digest``, a sample of its elements (`sample_digest`);
+    in the source (in the pass; of a one-shot source, counted on in ``ahead`` across
+    passes, since a pass hands out the steps the last one read ahead) and, with
+    ``digest``, a sample of its elements (`sample_digest`);
     ``held`` reads the source and notes the tensors the steps keep as they are (not
     copied to a device) until the loop is past them (`HeldBatches`)."""
     n, ids = topology.num_replicas_in_sync, topology.replica_ids
@@ -106,7 +110,8 @@ def global_batch_steps(source: Iterable[Any], topology: Topology,
     tags: dict[int, StepExamples | None] = {}  # per batch size (immutable: shared by steps)
     iterator = iter(source)
     kept = None if devices is None else frozenset(devices)  # (a copy elsewhere keeps none)
-    index = -1
+    counted = ahead if ahead is not None and ahead.keeps else None
+    index = -1 if counted is None else counted.read - 1
     try:
         while True:
             index += 1
@@ -114,6 +119,8 @@ def global_batch_steps(source: Iterable[Any], topology: Topology,
                 batch = next(iterator) if held is None else held.read(iterator, index)
             except StopIteration:
                 return
+            if counted is not None:
+                counted.read = index + 1
             if held is not None:  # ((x, y): no flattening, in C iterators)
                 leaves = batch if type(batch) is tuple and all(
                     map(is_, map(type, batch), _TENSORS)) else pytree.flatten(batch)[0]

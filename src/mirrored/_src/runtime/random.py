@@ -160,15 +160,11 @@ class RandomStreams:
 
     Args:
         replica_ids: the global ids of the local replicas (their streams differ).
-        every_run: advance the caller's generator at the end of every run, not only of
-            runs whose replicas drew (a job of several workers: a worker whose replicas
-            had no rows draws nothing, and must move with the others).
     """
 
-    def __init__(self, replica_ids: Sequence[int], every_run: bool = False) -> None:
+    def __init__(self, replica_ids: Sequence[int]) -> None:
         install()
         self._ids = tuple(replica_ids)
-        self._every_run = every_run
         self._base: int | None = None
         # The caller's generator as the run started (`start_run`): the base seed is drawn
         # from this copy, so a step that reseeds torch (manual_seed, fork_rng) before its
@@ -191,15 +187,14 @@ class RandomStreams:
             self._generators = [None] * len(self._ids)
 
     def finish_run(self) -> None:
-        """The run is over: if it drew a base seed (or ``every_run``), the caller's
-        generator advances by one draw, whatever the step did to it meanwhile (a
-        ``fork_rng`` block restores it: without this, every run would draw the same base
-        and repeat its masks). Across workers it advances at every run: whether a
-        worker's replicas drew depends on its rows (an empty shard draws no mask), and
-        a worker one draw behind would draw other masks, and other numbers outside
-        ``run``, from then on."""
+        """The run is over: if it drew a base seed, the caller's generator advances by
+        one draw, whatever the step did to it meanwhile (a ``fork_rng`` block restores
+        it: without this, every run would draw the same base and repeat its masks). A
+        run that drew nothing leaves it as one device would (a ``DataLoader``'s shuffle
+        stays one device's). Across workers, one whose replicas all had empty shards in
+        a run where the others drew falls one draw behind (docs/multi_worker.md)."""
         self._start = None
-        if self._drew or self._every_run:
+        if self._drew:
             self._drew = False
             torch.randint(0, 1 << 62, (1,), generator=_DEFAULT)
 

@@ -135,7 +135,7 @@ class ThreadRuntime:
         # whenever the job has several replicas, also one per worker: replica g draws
         # what it draws wherever it runs (2 workers of 1 replica as 1 worker of 2), not
         # the masks of a worker seeded alike.
-        self._streams = RandomStreams(topology.replica_ids, topology.num_workers > 1) if (
+        self._streams = RandomStreams(topology.replica_ids) if (
             per_replica_random and topology.num_replicas_in_sync > 1) else None
         self._pool = default_pool()
         self._pool.retain()
@@ -258,13 +258,12 @@ class ThreadRuntime:
         streams = self._streams  # (one replica of a job of several: its stream, as in-process)
         if streams is not None:
             streams.start_run()
-            call = functools.partial(streams.call, fn=call)
         try:
             self._one_running = self._several  # (one replica of a job of several workers)
             if device == caller_device and device.type == "cpu":
-                return call(0)
+                return call(0) if streams is None else streams.call(0, call)
             with on_device(device, default):
-                return call(0)
+                return call(0) if streams is None else streams.call(0, call)
         except Exception as error:
             add_note(error, self._note(0, error))
             raise

@@ -19,6 +19,7 @@ import torch
 
 from ..collectives.parts import Parts
 from ..comm.call_identity import identity_hash
+from ..comm.watch import short
 
 __all__ = ["agree_on_module", "agree_on_optimizer", "digest", "module_description",
            "optimizer_description"]
@@ -132,8 +133,8 @@ def agree_on_module(parts: Parts, module: torch.nn.Module) -> None:
         f"strategy.mirror: the workers' modules differ: {'; '.join(found)}. Every worker "
         "must build the same model (mirror copies the chief's values to every worker, but "
         "layers that differ would train what no one device trains); this is worker "
-        f"{parts.topology.worker_index}; its module: {_short(mine)}. (A forward() written by "
-        "hand that differs between workers cannot be seen.)")
+        f"{parts.topology.worker_index}; its module: {short(mine, _SHOWN)}. (A forward() "
+        "written by hand that differs between workers cannot be seen.)")
 
 
 def agree_on_optimizer(parts: Parts, optimizer: torch.optim.Optimizer) -> None:
@@ -160,8 +161,5 @@ def agree_on_optimizer(parts: Parts, optimizer: torch.optim.Optimizer) -> None:
         "differentiable are not compared). Every worker must build the same optimizer, "
         "or the copies drift apart (and change its settings alike on every worker later, "
         "a scheduler stepped on every worker); this is worker "
-        f"{parts.topology.worker_index}; its optimizer: {_short(text.replace(chr(10), '; '))}")
-
-
-def _short(text: str) -> str:
-    return text if len(text) <= _SHOWN else text[:_SHOWN - 3] + "..."
+        f"{parts.topology.worker_index}; its optimizer: "
+        f"{short(text.replace(chr(10), '; '), _SHOWN)}")

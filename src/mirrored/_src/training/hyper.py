@@ -158,7 +158,10 @@ class StepHyperParameters:
         """
         groups, written = self._optimizers[r].param_groups, self._written[r]
         if len(groups) != len(self._by_step[step]):  # (changed without being handed out)
-            raise RuntimeError(_relaid(r, self._layouts[r], _layout(self._optimizers[r])))
+            changed = next((k for k, (o, built) in enumerate(zip(
+                self._optimizers, self._layouts, strict=True)) if _layout(o) != built), r)
+            raise RuntimeError(_relaid(changed, self._layouts[changed],
+                                       _layout(self._optimizers[changed])))
         if len(written) == len(groups):  # (a group added since: not compared)
             for g, (source, target, (group, was, versions)) in enumerate(
                     zip(self._by_step[step], groups, written, strict=True)):
@@ -187,7 +190,7 @@ def _relaid(r: int, built: list[list[int]], now: list[list[int]]) -> str:
     if len(now) != len(built):
         what = f"{len(now)} groups, built with {len(built)}"
     else:
-        g = next(g for g, (a, b) in enumerate(zip(built, now, strict=True)) if a != b)
+        g = next((g for g, (a, b) in enumerate(zip(built, now, strict=True)) if a != b), 0)
         what = (f"group {g} holds {len(now[g])} parameters, built with {len(built[g])}"
                 if len(now[g]) != len(built[g]) else f"group {g} holds other parameters")
     return (f"MirroredOptimizer.step: the parameter groups of local replica {r}'s optimizer "

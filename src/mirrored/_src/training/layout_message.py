@@ -42,6 +42,7 @@ def layout_message(first: Any, other: Any, k: int) -> str:
              or re.search(r"'([^']*?)\.?parametrizations[.']", diff))
     if found is not None:
         path = found.group(1)  # (a random state drawn per copy: not "on every copy")
+        path = "" if path == "(the model)" else path  # (the root: get_submodule('') is it)
         return (f"the copies of a mirrored model differ: {diff}. A parametrization "
                 "registered outside strategy.run through a submodule of the mirrored model "
                 "(spectral_norm(model[2]), model.module, or the module given to mirror()) "
